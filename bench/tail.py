@@ -1,0 +1,149 @@
+"""One long-tailed rollout batch, three ways side by side on the same ranks: fixed DP (world x TP1), fixed
+TP=world, and adaptive (starts at TP1, the planner merges groups with the measured step profile).
+
+Prints a table and, last, one JSON line. Not a test: it measures.
+  python bench/tail.py            # cap 512 tokens, 32 sequences, 2 ranks
+  python bench/tail.py --quick    # under a minute
+  python bench/tail.py --lengths lengths.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from pat_operator import planner
+from pat_operator.layout import uniform
+from pat_workers.engine.engine import Request
+from pat_workers.engine.generator import LocalGenerator, RunResult
+from pat_workers.engine.rank import EngineOptions
+from pat_workers.engine.sampling import SamplingParams
+from pat_workers.engine.tiny import PRESETS, make_tiny_model
+
+PROMPT_TOKENS = 16
+
+
+def lognormal_lengths(n: int, cap: int, seed: int, mean_fraction: float = 0.4, sigma: float = 0.8) -> list[int]:
+    """DeepScaleR-like: mean ~40% of the cap, a long right tail clipped at the cap."""
+    rng = random.Random(seed)
+    mu = math.log(mean_fraction * cap) - sigma**2 / 2
+    return [max(4, min(cap, round(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
+
+
+def requests(lengths: list[int], seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request(f"seq-{i}", [256] + [rng.randrange(256) for _ in range(PROMPT_TOKENS - 1)],
+                    SamplingParams(max_tokens=n, ignore_eos=True)) for i, n in enumerate(lengths)]
+
+
+def tail_seconds(result: RunResult, total: int) -> float:
+    """Time from the moment half of the sequences have finished to the end of the batch."""
+    done = 0
+    for step in result.steps:
+        done += step.finished
+        if done * 2 >= total:
+            return result.seconds - step.time
+    return 0.0
+
+
+def mismatched_tokens(a: RunResult, b: RunResult) -> int:
+    count = 0
+    for rid, ca in a.completions.items():
+        cb = b.completions[rid].output
+        count += sum(x != y for x, y in zip(ca.output, cb)) + abs(len(ca.output) - len(cb))
+    return count
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small batch and cap: finishes in under a minute")
+    ap.add_argument("--lengths", type=Path, help="JSON list of target response lengths (overrides --batch/--cap)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--cap", type=int, default=512, help="response length cap (tokens)")
+    ap.add_argument("--world", type=int, default=2, help="ranks (CPU cores)")
+    ap.add_argument("--preset", default="bench", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-gain", type=float, default=0.1, help="planner: required predicted step-time gain")
+    ap.add_argument("--model-dir", type=Path, help="default: a cached random model of --preset")
+    args = ap.parse_args()
+    if args.quick:
+        args.batch, args.cap = 16, 96
+    lengths = json.loads(args.lengths.read_text()) if args.lengths else lognormal_lengths(args.batch, args.cap,
+                                                                                         args.seed)
+    model_dir = args.model_dir or Path.home() / ".cache" / "pat" / "models" / f"{args.preset}-llama-seed{args.seed}"
+    if not (model_dir / "config.json").is_file():
+        make_tiny_model(model_dir, family="llama", preset=args.preset, seed=args.seed)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    per_replica = math.ceil(len(lengths) / args.world)
+    options = EngineOptions(max_batch=per_replica, max_seq=PROMPT_TOKENS + max(lengths) + 1,
+                            profile_batches=tuple(sorted({1, 2, 4, 8, 16, 32, per_replica, len(lengths)})))
+    print(f"model: {args.preset} (hidden {cfg['hidden_size']}, intermediate {cfg['intermediate_size']}, "
+          f"{cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} "
+          f"KV heads, vocab {cfg['vocab_size']}), float32, {args.world} ranks x 1 thread")
+    print(f"batch: {len(lengths)} sequences, lengths min {min(lengths)} / mean {sum(lengths) / len(lengths):.0f} "
+          f"/ max {max(lengths)} tokens, greedy, ignore_eos", flush=True)
+
+    started = time.perf_counter()
+    with LocalGenerator(model_dir, args.world, options) as gen:
+        print(f"ranks up and profiled in {time.perf_counter() - started:.1f} s; link "
+              f"{gen.costs.link_bytes_per_s / 1e9:.2f} GB/s", flush=True)
+        dp, tp = uniform(args.world), uniform(args.world, args.world)
+
+        def adaptive(g: LocalGenerator):
+            return planner.plan(g.layout, g.loads(), g.costs.decode, g.tp_sizes, args.min_gain)
+
+        results: dict[str, RunResult] = {}
+        for name, start, policy in (("fixed DP", dp, None), ("fixed TP", tp, None), ("adaptive", dp, adaptive)):
+            gen.regroup(start)  # at the batch boundary: no requests, nothing to move
+            results[name] = gen.run(requests(lengths, args.seed), policy=policy)
+            print(f"  {name:9s} {results[name].seconds:7.2f} s", flush=True)
+
+    print(f"\n{'layout':10s} {'gen s':>8s} {'tail s':>8s} {'regroups':>8s} {'regroup s':>9s}")
+    for name, r in results.items():
+        print(f"{name:10s} {r.seconds:8.2f} {tail_seconds(r, len(lengths)):8.2f} {len(r.regroups):8d} "
+              f"{sum(x.seconds for x in r.regroups):9.3f}")
+    by_shape: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for r in results.values():
+        for s in r.steps:
+            if s.batch:
+                by_shape[(len(s.group), 2 ** int(math.log2(s.batch)))].append(s.seconds)
+    print("\nstep latency, ms (mean over steps), by TP and batch size (bucket = lower power of two):")
+    buckets = sorted({b for _, b in by_shape})
+    print("tp \\ batch " + "".join(f"{b:>8d}" for b in buckets))
+    for t in sorted({t for t, _ in by_shape}):
+        cells = [by_shape.get((t, b)) for b in buckets]
+        print(f"{t:<11d}" + "".join(f"{1e3 * sum(c) / len(c):8.1f}" if c else f"{'-':>8s}" for c in cells))
+    modes: dict[str, list[float]] = defaultdict(list)
+    for rec in results["adaptive"].regroups:
+        print(f"\nregroup at {rec.time:.2f} s: {rec.old} -> {rec.new}")
+        for rep in rec.reports:
+            print(f"  rank {rep.rank} group {rep.group}: {rep.outcome}, requests {rep.modes}, "
+                  f"seconds {{{', '.join(f'{k}: {v:.4f}' for k, v in rep.seconds.items())}}}, sent {rep.kv_bytes} B")
+            for mode, seconds in rep.seconds.items():
+                modes[mode].append(seconds)
+    adaptive, fixed_dp, fixed_tp = (results[k] for k in ("adaptive", "fixed DP", "fixed TP"))
+    regroup_seconds = sum(x.seconds for x in adaptive.regroups)
+    summary = {
+        "adaptive_over_fixed_dp": round(adaptive.seconds / fixed_dp.seconds, 4),
+        "adaptive_over_fixed_tp": round(adaptive.seconds / fixed_tp.seconds, 4),
+        "regroup_fraction": round(regroup_seconds / adaptive.seconds, 5),
+        "token_mismatches": mismatched_tokens(adaptive, fixed_dp),
+        "fixed_tp_token_mismatches": mismatched_tokens(fixed_tp, fixed_dp),
+        "generation_seconds": {k: round(v.seconds, 3) for k, v in results.items()},
+        "tail_seconds": {k: round(tail_seconds(v, len(lengths)), 3) for k, v in results.items()},
+        "regroup_seconds_by_mode": {k: round(sum(v), 4) for k, v in modes.items()},
+        "regroups": [[list(r.old), list(r.new), round(r.time, 3)] for r in adaptive.regroups],
+        "batch": len(lengths), "cap": max(lengths), "world": args.world, "preset": args.preset,
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Regroups on 4 CPU ranks (float32) give the tokens and log-probabilities of a single process at TP=1."""
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import generate_latest
+
+from pat_workers.engine.generator import LocalGenerator
+
+from .conftest import OPTIONS, fresh, make_requests, mismatches
+
+TRANSITIONS = {"1->2": ((1, 1, 1, 1), (2, 2)), "2->4": ((2, 2), (4,)), "1->4": ((1, 1, 1, 1), (4,))}
+POINTS = ("before-first-step", "mid-way", "replica-drained")
+
+
+@pytest.fixture(scope="module")
+def gen4(model_dir):
+    with LocalGenerator(model_dir, 4, OPTIONS) as gen:
+        yield gen
+
+
+def regroup_once(start, target, point):
+    """A policy that applies `target` once, at `point` of the batch."""
+    steps, applied = [], []
+
+    def policy(gen):
+        if applied:
+            return None
+        loads = gen.loads()
+        if point == "before-first-step" or (point == "mid-way" and len(steps) >= 12) or (
+                point == "replica-drained" and min(loads.values()) == 0 < max(loads.values())):
+            applied.append(target)
+            return target
+        return None
+
+    return policy, steps.append
+
+
+def run_with_regroup(gen, start, target, point, migration):
+    gen.regroup(start)  # back to the batch's starting layout (from whatever the last case left)
+    policy, on_step = regroup_once(start, target, point)
+    return gen.run(fresh(make_requests()), policy=policy, on_step=on_step, migration=migration)
+
+
+@pytest.mark.parametrize("migration", ["kv", "recompute"])
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("transition", sorted(TRANSITIONS))
+def test_regroup_matches_single_process(gen4, reference, transition, point, migration):
+    start, target = TRANSITIONS[transition]
+    result = run_with_regroup(gen4, start, target, point, migration)
+    assert [(r.old, r.new) for r in result.regroups] == [(start, target)], "the regroup did not happen once"
+    reports = result.regroups[0].reports
+    assert {r.outcome for r in reports} == {"applied"}, reports
+    moved = sum(r.modes.get(migration, 0) for r in reports)
+    other = sum(r.modes.get(m, 0) for r in reports for m in ("kv", "recompute") if m != migration)
+    assert other == 0
+    if point != "before-first-step":  # requests were decoding: they crossed over in the forced mode
+        assert moved > 0
+    assert gen4.layout == target
+    assert mismatches(reference, result.completions) == []
+
+
+def test_auto_mode_and_metrics(gen4, reference):
+    result = run_with_regroup(gen4, (1, 1, 1, 1), (4,), "mid-way", None)
+    assert mismatches(reference, result.completions) == []
+    metrics = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(generate_latest(gen4.metrics.registry).decode())
+               for s in family.samples}
+    assert metrics[("pat_generator_tp_size", (("group", "0-3"),))] == 4
+    assert metrics[("pat_generator_regroups_total", (("outcome", "applied"),))] >= 1
+    assert metrics[("pat_generator_regroup_requests_total", (("mode", "kv"),))] > 0
+    assert metrics[("pat_generator_regroup_requests_total", (("mode", "recompute"),))] > 0
+    assert metrics[("pat_generator_step_seconds_count", (("tp", "4"),))] > 0
+    assert metrics[("pat_generator_tokens_total", ())] >= sum(len(c.output) for c in result.completions.values())
+    # auto: the measured costs chose a mode per request
+    modes = {m for r in result.regroups[0].reports for m, n in r.modes.items() if n}
+    assert modes <= {"kv", "recompute"} and modes
+
+
+def test_corrupted_shard_is_caught(model_dir, reference):
+    """Negative control: rank 3 serves a corrupted slice of q_proj; after it joins every request's group the
+    comparison must fail."""
+    with LocalGenerator(model_dir, 4, OPTIONS, env={"PAT_FAILPOINTS": "weights.corrupt@3"}) as gen:
+        result = run_with_regroup(gen, (1, 1, 1, 1), (4,), "mid-way", "kv")
+    bad = mismatches(reference, result.completions)
+    assert len(bad) > len(reference) // 4, f"only {bad} differ"
+
+
+@pytest.mark.parametrize("point", ["regroup.share", "regroup.transfer"])
+def test_rank_killed_during_regroup(model_dir, reference, point):
+    """Rank 3 dies inside a 1->4 regroup; the survivors fall back to TP=1 and finish every request."""
+    with LocalGenerator(model_dir, 4, OPTIONS, env={"PAT_FAILPOINTS": f"{point}@3"}) as gen:
+        result = run_with_regroup(gen, (1, 1, 1, 1), (4,), "mid-way", "kv")
+        reports = result.regroups[0].reports
+        assert sorted(r.rank for r in reports) == [0, 1, 2]
+        assert {r.outcome for r in reports} == {"fallback"}
+        assert all(r.dead_ranks == [3] for r in reports)
+        assert gen.layout == (1, 1, 1, 1) and gen.dead == {3}
+        assert gen.loads().keys() == {(0,), (1,), (2,)}
+        assert sorted(result.completions) == sorted(reference)
+        assert mismatches(reference, result.completions) == []
+        fallback = [s for f in text_string_to_metric_families(generate_latest(gen.metrics.registry).decode())
+                    for s in f.samples if s.name == "pat_generator_regroups_total"]
+        assert [(s.labels["outcome"], s.value) for s in fallback] == [("fallback", 1.0)]

@@ -1,0 +1,100 @@
+"""Measured costs: the link between ranks, prefill and decode-step time per TP size.
+
+Measured once at start by every rank together (all blocks of a TP size at once, so contention is as in use)
+and agreed on (max over ranks), so that every rank takes the same migrate-or-recompute decisions. The decode
+profile T(tp, batch) is what a planner needs to decide when to regroup.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import CommunicatorPool, measure_link_bandwidth
+from .kv import KVCache
+from .model import Transformer
+
+PREFILL_LENGTHS = (16, 128)
+
+
+@dataclass(frozen=True)
+class Costs:
+    link_bytes_per_s: float  # received per rank, all pairs exchanging at once
+    link_latency_s: float  # fixed cost of one exchange
+    prefill: dict[int, tuple[float, float]]  # tp -> (seconds at 0 tokens, seconds per token)
+    decode: dict[int, dict[int, float]]  # tp -> batch -> seconds per decode step
+
+    def migrate_seconds(self, nbytes: int) -> float:
+        return self.link_latency_s + nbytes / self.link_bytes_per_s
+
+    def recompute_seconds(self, tp: int, tokens: int) -> float:
+        fixed, per_token = self.prefill[tp]
+        return fixed + per_token * tokens
+
+    def choose(self, kv_bytes: int, tokens: int, tp: int) -> str:
+        """'kv' when moving the request's cache is predicted cheaper than re-prefilling it at TP=tp."""
+        return "kv" if self.migrate_seconds(kv_bytes) <= self.recompute_seconds(tp, tokens) else "recompute"
+
+    def to_json(self) -> dict:
+        return {"link_bytes_per_s": self.link_bytes_per_s, "link_latency_s": self.link_latency_s,
+                "prefill": {str(k): v for k, v in self.prefill.items()},
+                "decode": {str(t): {str(b): s for b, s in d.items()} for t, d in self.decode.items()}}
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], batches: list[int],
+            context: int = 64, repeats: int = 3) -> Costs:
+    """Collective over the pod's ranks."""
+    rank, world = pool.rank, pool.world
+    device = model.device
+    samples: list[float] = []
+    for tp in tp_sizes:
+        block = next(b for b in pool.blocks(tp) if rank in b)
+        comm, shard = pool.get(block), model.shard(tp, block.index(rank))
+        cache = KVCache.allocate(model.cfg, max(batches), model.cfg.num_kv_heads // tp,
+                                 max(PREFILL_LENGTHS[-1], context + 1), model.dtype, device)
+        for length in PREFILL_LENGTHS:
+            k, v = cache.rows(0, 1)
+            tokens = torch.zeros(1, length, dtype=torch.long, device=device)
+            start = torch.zeros(1, dtype=torch.long, device=device)
+            samples.append(_timed(lambda: model.forward(shard, comm, tokens, start, k, v), repeats))
+        for batch in batches:
+            k, v = cache.rows(0, batch)
+            tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+            start = torch.full((batch,), context, dtype=torch.long, device=device)
+            samples.append(_timed(lambda: model.forward(shard, comm, tokens, start, k, v), repeats))
+    link = (0.0, 0.0)
+    if world > 1:
+        pair = pool.get(next(b for b in pool.blocks(2) if rank in b))
+        small = 4096
+        bandwidth = measure_link_bandwidth(pair, nbytes=32 << 20)
+        latency = small / measure_link_bandwidth(pair, nbytes=small)
+        link = (bandwidth, latency)
+    agreed = torch.tensor([*samples, -link[0], *link[1:]], dtype=torch.float64)
+    if world > 1:  # the slowest rank's numbers (and the lowest bandwidth) everywhere
+        agreed = agreed.to(device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        agreed = agreed.cpu()
+    values = agreed.tolist()
+    prefill, decode, i = {}, {}, 0
+    (l0, l1) = PREFILL_LENGTHS
+    for tp in tp_sizes:
+        s0, s1 = values[i], values[i + 1]
+        per_token = max((s1 - s0) / (l1 - l0), 1e-9)
+        prefill[tp] = (max(s0 - per_token * l0, 0.0), per_token)
+        decode[tp] = dict(zip(batches, values[i + 2:i + 2 + len(batches)]))
+        i += 2 + len(batches)
+    bandwidth, latency = -values[i], values[i + 1]
+    return Costs(bandwidth if world > 1 else float("inf"), latency, prefill, decode)

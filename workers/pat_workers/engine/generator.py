@@ -1,0 +1,278 @@
+"""A generator pod's ranks, driven from one process: start, submit, regroup, collect, stop.
+
+This is what the pod's coordinator (HTTP server) wraps; tests and benchmarks use it directly. It owns the
+layout's bookkeeping and the Prometheus metrics, and it makes sure no request is lost: what a failed regroup
+could not carry over is submitted again.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from pat_operator import layout as layouts
+from pat_operator.layout import Group, Layout
+
+from .costs import Costs
+from .engine import Request
+from .metrics import EngineMetrics
+from .rank import EngineOptions, rank_main
+from .regroup import RegroupReport
+
+
+class GeneratorError(RuntimeError):
+    pass
+
+
+@dataclass
+class StepRecord:
+    time: float  # seconds since start of the run
+    group: Group
+    batch: int
+    waiting: int
+    seconds: float
+    tokens: int
+    finished: int
+
+
+@dataclass
+class RegroupRecord:
+    time: float
+    epoch: int
+    old: Layout
+    new: Layout
+    reports: list[RegroupReport]
+
+    @property
+    def seconds(self) -> float:
+        return max((r.seconds.get("total", 0.0) for r in self.reports), default=0.0)
+
+
+@dataclass
+class RunResult:
+    completions: dict[str, Request]
+    seconds: float
+    steps: list[StepRecord] = field(default_factory=list)
+    regroups: list[RegroupRecord] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalGenerator:
+    """`world` engine ranks as local processes (one per GPU when CUDA is present, else one per CPU core)."""
+
+    def __init__(self, model_dir: str, world: int, options: EngineOptions = EngineOptions(),
+                 env: dict[str, str] | None = None):
+        self.model_dir, self.world, self.options, self.env = str(model_dir), world, options, env or {}
+        self.layout: Layout = layouts.uniform(world)
+        self.epoch = 0
+        self.metrics = EngineMetrics()
+        self.dead: set[int] = set()
+        self._accounted_dead: set[int] = set()  # deaths a regroup fallback already handled
+        self.costs: Costs | None = None
+        self.tp_sizes: list[int] = [1]
+        self._procs: list = []
+        self._load: dict[Group, int] = {}
+        self._where: dict[str, Group] = {}  # in-flight request id -> group it was sent to
+        self._requests: dict[str, Request] = {}
+        self._done: dict[str, Request] = {}
+        self._run: RunResult | None = None
+        self._t0 = time.perf_counter()
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def start(self, timeout: float = 600.0) -> LocalGenerator:
+        # A fork server imports torch once and forks every rank from that clean process: 4 ranks start in
+        # ~3 s instead of ~13 s of parallel imports on 2 cores (and no rank inherits this process's threads).
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["pat_workers.engine.rank"])
+        self._events = ctx.Queue()
+        self._commands = [ctx.Queue() for _ in range(self.world)]
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        for rank in range(self.world):
+            p = ctx.Process(target=rank_main, name=f"pat-rank-{rank}", daemon=True,
+                            args=(rank, self.world, self.model_dir, self.options, init, self._commands,
+                                  self._events, self.env))
+            p.start()
+            self._procs.append(p)
+        ready = 0
+        while ready < self.world:
+            event = self._next_event(timeout)
+            if event[0] != "ready":
+                raise GeneratorError(f"unexpected event while starting: {event[0]}")
+            ready += 1
+            if event[3] is not None:
+                self.costs, self.tp_sizes = event[3], event[4]
+        self._set_layout(self.layout)
+        return self
+
+    def close(self, timeout: float = 30.0) -> None:
+        for g in self._live_groups():
+            self._commands[g[0]].put(("stop",))
+        for p in self._procs:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+        self._procs = []
+
+    def __enter__(self) -> LocalGenerator:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- requests ----------------------------------------------------------------------------------------
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Sends each request to the least loaded live replica group."""
+        batches: dict[Group, list[Request]] = {}
+        for r in requests:
+            if not r.prompt or len(r.prompt) >= self.options.max_seq:
+                raise ValueError(f"request {r.id}: prompt has {len(r.prompt)} tokens; it must have 1 to "
+                                 f"{self.options.max_seq - 1} (engine max_seq)")
+            group = min(self._live_groups(), key=lambda g: self._load[g] / len(g))
+            self._load[group] += 1
+            self._requests[r.id], self._where[r.id] = r, group
+            batches.setdefault(group, []).append(r)
+        for group, batch in batches.items():
+            self._commands[group[0]].put(("add", batch))
+
+    def run(self, requests: Iterable[Request], policy: Callable[[LocalGenerator], Layout | None] | None = None,
+            on_step: Callable[[StepRecord], None] | None = None, migration: str | None = None,
+            timeout: float = 3600.0) -> RunResult:
+        """Generates every request. `policy` is asked for a layout once before the first step and after every
+        step event; a layout other than the current one is applied (with `migration`, default the option's)."""
+        self._t0 = time.perf_counter()
+        self._run = RunResult({}, 0.0)
+        self._done = {}
+        requests = list(requests)
+        self.submit(requests)
+        deadline = time.monotonic() + timeout
+        while True:
+            target = policy(self) if policy else None
+            if target is not None and tuple(target) != self.layout:
+                self.regroup(target, migration)
+            if len(self._done) == len(requests):
+                break
+            while (record := self._handle(self._next_event(deadline - time.monotonic()))) is None:
+                pass
+            if on_step:
+                on_step(record)
+        self._run.completions = {r.id: self._done[r.id] for r in requests}
+        self._run.seconds = time.perf_counter() - self._t0
+        result, self._run = self._run, None
+        return result
+
+    # -- layouts -----------------------------------------------------------------------------------------
+    def regroup(self, target: Iterable[int], migration: str | None = None, timeout: float = 300.0
+                ) -> list[RegroupReport]:
+        """Applies a layout at the next step boundary of the groups it changes; returns every rank's report.
+
+        migration: auto | kv | recompute for this regroup (default: the engine option)."""
+        target = layouts.validate(tuple(target), self.world, self.tp_sizes)
+        for g in layouts.groups(target):
+            if len(g) > 1 and set(g) & self.dead:
+                raise layouts.LayoutError(f"layout {target}: group {g} contains dead rank(s) "
+                                          f"{sorted(set(g) & self.dead)}")
+        old, self.epoch = self.layout, self.epoch + 1
+        started = time.perf_counter()
+        for g in self._live_groups():
+            self._commands[g[0]].put(("regroup", self.epoch, old, target, migration))
+        touched = {r for region in layouts.regions(old, target) for r in region}
+        expected = {g[0] for g in layouts.groups(old) if not set(g) & touched} | touched
+        reports: list[RegroupReport] = []
+        covered: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while not expected - self._dead_now() <= covered:
+            event = self._next_event(deadline - time.monotonic(), allow_dead=True)
+            if event[0] != "regrouped":
+                self._handle(event)
+                continue
+            report: RegroupReport = event[1]
+            reports.append(report)
+            covered |= set(report.group) if report.outcome != "unchanged" else {report.rank}
+        self._apply_reports(old, target, reports)
+        self._accounted_dead = set(self.dead)
+        if self._run is not None:
+            self._run.regroups.append(RegroupRecord(started - self._t0, self.epoch, old, self.layout, reports))
+        return reports
+
+    def _apply_reports(self, old: Layout, target: Layout, reports: list[RegroupReport]) -> None:
+        self.metrics.on_regroup(reports)
+        fell_back = {r for rep in reports if rep.outcome in ("fallback", "rejected") for r in rep.region}
+        if not fell_back:
+            self._set_layout(target)
+        else:  # the failed regions are TP=1 now; other regions applied the plan
+            sizes: list[int] = []
+            for g in layouts.groups(target):
+                sizes += [1] * len(g) if set(g) & fell_back else [len(g)]
+            self._set_layout(tuple(sizes))
+            held = {i for rep in reports for i in rep.request_ids}
+            lost = [self._requests[i] for i, g in self._where.items() if set(g) & fell_back and i not in held
+                    and i not in self._done]
+            for r in lost:  # the group that held them is gone before it could hand them over: start again
+                r.output, r.logprobs, r.cached, r.finish_reason = [], [], 0, None
+                del self._where[r.id]
+            self.submit(lost)
+        for rep in reports:  # requests now live where the reports say
+            for i in rep.request_ids:
+                if i in self._where:
+                    self._where[i] = rep.group
+
+    def _set_layout(self, layout: Layout) -> None:
+        self.layout = layout
+        counts = {g: 0 for g in layouts.groups(layout)}
+        for i, g in list(self._where.items()):
+            target = next(h for h in counts if set(h) & set(g))
+            self._where[i] = target
+            counts[target] += 1
+        self._load = counts
+        self.metrics.set_layout(list(counts), self.epoch)
+
+    # -- events ------------------------------------------------------------------------------------------
+    def _live_groups(self) -> list[Group]:
+        return [g for g in layouts.groups(self.layout) if not set(g) & self._dead_now()]
+
+    def _dead_now(self) -> set[int]:
+        self.dead |= {rank for rank, p in enumerate(self._procs) if p.exitcode is not None}
+        return self.dead
+
+    def _next_event(self, timeout: float, allow_dead: bool = False) -> tuple:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            try:
+                event = self._events.get(timeout=0.2)
+            except queue.Empty:
+                if not allow_dead and self._dead_now() - self._accounted_dead:
+                    raise GeneratorError(f"rank(s) {sorted(self.dead - self._accounted_dead)} died") from None
+                if time.monotonic() > deadline:
+                    raise GeneratorError("timed out waiting for the engine ranks") from None
+                continue
+            if event[0] == "error":
+                raise GeneratorError(f"rank {event[1]} failed:\n{event[2]}")
+            return event
+
+    def _handle(self, event: tuple) -> StepRecord | None:
+        if event[0] != "step":
+            return None
+        _, group, batch, waiting, seconds, tokens, finished = event
+        self.metrics.on_step(group, batch, waiting, seconds, tokens)
+        for r in finished:
+            if r.id in self._where and r.id not in self._done:
+                self._done[r.id] = r
+                held_by = self._where.pop(r.id)
+                self._load[held_by] = max(self._load.get(held_by, 1) - 1, 0)
+        record = StepRecord(time.perf_counter() - self._t0, group, batch, waiting, seconds, tokens, len(finished))
+        if self._run is not None:
+            self._run.steps.append(record)
+        return record
+
+    def loads(self) -> dict[Group, int]:
+        """Unfinished requests per live group, as the coordinator knows them."""
+        return {g: n for g, n in self._load.items() if not set(g) & self.dead}

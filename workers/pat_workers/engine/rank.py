@@ -1,0 +1,109 @@
+"""One engine rank: a process per device (a GPU, or a CPU core), driven by commands from the pod's coordinator.
+
+Only a group's leader reads commands; it hands them to the other members at the step boundary through the
+group's communicator, so every member applies them at the same step. Events (steps, finished requests,
+regroup reports) go back to the coordinator on one queue.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import CommunicatorPool
+from . import faults
+from .costs import measure
+from .engine import Engine
+from .loader import load_model
+from .model import Transformer
+from .regroup import regroup
+
+IDLE_POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_batch: int = 32  # sequences per TP=1 replica; a TP=t group holds t times as many
+    max_seq: int = 2048  # prompt + generated tokens per sequence
+    dtype: str = "float32"
+    migration: str = "auto"  # auto | kv | recompute
+    comm_backend: str = "auto"  # auto | shm | gloo | nccl
+    comm_timeout: float = 60.0
+    profile_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # decode profile per TP (capped at capacity)
+    threads: int = 1  # torch threads per rank on CPU
+
+
+def _device(rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_method: str,
+              commands: list, events, env: dict[str, str] | None = None) -> None:
+    os.environ.update(env or {})
+    try:
+        torch.set_num_threads(opts.threads)
+        device = _device(rank)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
+                                rank=rank, world_size=world)
+        pool = CommunicatorPool.build(rank, world, backend=opts.comm_backend, timeout=opts.comm_timeout)
+        with torch.inference_mode():  # the whole rank only ever runs inference
+            cfg, weights = load_model(model_dir, getattr(torch, opts.dtype), device)
+            if faults.active("weights.corrupt", rank):  # silent corruption of the heads this rank serves last
+                weights["model.layers.0.self_attn.q_proj.weight"][-cfg.head_dim:] += 0.5
+            model = Transformer(cfg, weights)
+            engine = Engine(model, pool, max_batch=opts.max_batch, max_seq=opts.max_seq)
+            tp_sizes = [t for t in cfg.tp_sizes(world) if cfg.intermediate_size % t == 0]
+            batches = sorted({b for b in opts.profile_batches if b <= opts.max_batch * max(tp_sizes)})
+            costs = measure(model, pool, tp_sizes, batches)
+            events.put(("ready", rank, os.getpid(), costs if rank == 0 else None, tp_sizes))
+            _serve(engine, costs, opts, commands[rank], events)
+        pool.close()
+        dist.destroy_process_group()
+    except BaseException:
+        events.put(("error", rank, traceback.format_exc()))
+        raise
+
+
+def _serve(engine: Engine, costs, opts: EngineOptions, commands, events) -> None:
+    pending: list[tuple] = []
+    flag = torch.zeros(1, device=engine.model.device)
+    while True:
+        batch: list[tuple] = []
+        if engine.is_leader:
+            try:
+                pending.append(commands.get(timeout=0 if engine.has_work() or pending else IDLE_POLL_SECONDS))
+                while True:
+                    pending.append(commands.get_nowait())
+            except queue.Empty:
+                pass
+            # A regroup changes who is in the group: it ends the batch of commands applied at this boundary.
+            cut = next((i + 1 for i, c in enumerate(pending) if c[0] == "regroup"), len(pending))
+            batch, pending = pending[:cut], pending[cut:]
+        if engine.tp > 1:
+            flag.fill_(len(batch))
+            engine.comm.all_reduce_(flag)
+            if flag.item():
+                batch = engine.comm.broadcast_object(batch)
+        for command in batch:
+            if command[0] == "stop":
+                return
+            if command[0] == "add":
+                engine.add(command[1])
+            elif command[0] == "regroup":
+                _, epoch, old, new, migration = command
+                report = regroup(engine, old, new, epoch, costs, migration or opts.migration)
+                if engine.is_leader:
+                    events.put(("regrouped", report))
+        if engine.has_work():
+            stats = engine.step()
+            if engine.is_leader:
+                events.put(("step", engine.group, stats.batch, len(engine.waiting), stats.seconds, stats.tokens,
+                            stats.finished))
