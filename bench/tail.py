@@ -69,11 +69,12 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=2, help="ranks (CPU cores)")
     ap.add_argument("--preset", default="bench", choices=sorted(PRESETS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each layout, in alternating order")
     ap.add_argument("--min-gain", type=float, default=0.1, help="planner: required predicted step-time gain")
     ap.add_argument("--model-dir", type=Path, help="default: a cached random model of --preset")
     args = ap.parse_args()
     if args.quick:
-        args.batch, args.cap = 16, 96
+        args.batch, args.cap, args.repeats = 16, 96, 1
     lengths = json.loads(args.lengths.read_text()) if args.lengths else lognormal_lengths(args.batch, args.cap,
                                                                                          args.seed)
     model_dir = args.model_dir or Path.home() / ".cache" / "pat" / "models" / f"{args.preset}-llama-seed{args.seed}"
@@ -98,22 +99,29 @@ def main() -> int:
         def adaptive(g: LocalGenerator):
             return planner.plan(g.layout, g.loads(), g.costs.decode, g.tp_sizes, args.min_gain)
 
-        results: dict[str, RunResult] = {}
-        for name, start, policy in (("fixed DP", dp, None), ("fixed TP", tp, None), ("adaptive", dp, adaptive)):
-            gen.regroup(start)  # at the batch boundary: no requests, nothing to move
-            results[name] = gen.run(requests(lengths, args.seed), policy=policy)
-            print(f"  {name:9s} {results[name].seconds:7.2f} s", flush=True)
+        configs = [("fixed DP", dp, None), ("fixed TP", tp, None), ("adaptive", dp, adaptive)]
+        runs: dict[str, list[RunResult]] = defaultdict(list)
+        for repeat in range(args.repeats):  # alternate the order, so that drift over time favours no one
+            for name, start, policy in configs if repeat % 2 == 0 else configs[::-1]:
+                gen.regroup(start)  # at the batch boundary: no requests, nothing to move
+                runs[name].append(gen.run(requests(lengths, args.seed), policy=policy))
+                print(f"  {name:9s} {runs[name][-1].seconds:7.2f} s", flush=True)
+    # Per layout, the repeat with the median generation time (all of them when there is one).
+    results = {name: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for name, rs in runs.items()}
+    means = {name: sum(r.seconds for r in rs) / len(rs) for name, rs in runs.items()}
 
-    print(f"\n{'layout':10s} {'gen s':>8s} {'tail s':>8s} {'regroups':>8s} {'regroup s':>9s}")
+    print(f"\n{'layout':10s} {'gen s':>8s} {'mean s':>8s} {'tail s':>8s} {'regroups':>8s} {'regroup s':>9s}"
+          f"   (the median of {args.repeats} run(s); mean over all)")
     for name, r in results.items():
-        print(f"{name:10s} {r.seconds:8.2f} {tail_seconds(r, len(lengths)):8.2f} {len(r.regroups):8d} "
-              f"{sum(x.seconds for x in r.regroups):9.3f}")
+        print(f"{name:10s} {r.seconds:8.2f} {means[name]:8.2f} {tail_seconds(r, len(lengths)):8.2f} "
+              f"{len(r.regroups):8d} {sum(x.seconds for x in r.regroups):9.3f}")
     by_shape: dict[tuple[int, int], list[float]] = defaultdict(list)
-    for r in results.values():
+    for r in (r for rs in runs.values() for r in rs):
         for s in r.steps:
-            if s.batch:
+            if s.batch and not s.prefill_tokens:
                 by_shape[(len(s.group), 2 ** int(math.log2(s.batch)))].append(s.seconds)
-    print("\nstep latency, ms (mean over steps), by TP and batch size (bucket = lower power of two):")
+    print("\ndecode step latency, ms (mean over steps without prefill), by TP and batch size (bucket = lower "
+          "power of two):")
     buckets = sorted({b for _, b in by_shape})
     print("tp \\ batch " + "".join(f"{b:>8d}" for b in buckets))
     for t in sorted({t for t, _ in by_shape}):
@@ -127,19 +135,20 @@ def main() -> int:
                   f"seconds {{{', '.join(f'{k}: {v:.4f}' for k, v in rep.seconds.items())}}}, sent {rep.kv_bytes} B")
             for mode, seconds in rep.seconds.items():
                 modes[mode].append(seconds)
-    adaptive, fixed_dp, fixed_tp = (results[k] for k in ("adaptive", "fixed DP", "fixed TP"))
-    regroup_seconds = sum(x.seconds for x in adaptive.regroups)
+    adaptive = results["adaptive"]
+    reference = runs["fixed DP"][0]
     summary = {
-        "adaptive_over_fixed_dp": round(adaptive.seconds / fixed_dp.seconds, 4),
-        "adaptive_over_fixed_tp": round(adaptive.seconds / fixed_tp.seconds, 4),
-        "regroup_fraction": round(regroup_seconds / adaptive.seconds, 5),
-        "token_mismatches": mismatched_tokens(adaptive, fixed_dp),
-        "fixed_tp_token_mismatches": mismatched_tokens(fixed_tp, fixed_dp),
-        "generation_seconds": {k: round(v.seconds, 3) for k, v in results.items()},
+        "adaptive_over_fixed_dp": round(means["adaptive"] / means["fixed DP"], 4),
+        "adaptive_over_fixed_tp": round(means["adaptive"] / means["fixed TP"], 4),
+        "regroup_fraction": round(max(sum(x.seconds for x in r.regroups) / r.seconds for r in runs["adaptive"]), 5),
+        "token_mismatches": max(mismatched_tokens(r, reference) for r in runs["adaptive"]),
+        "fixed_tp_token_mismatches": max(mismatched_tokens(r, reference) for r in runs["fixed TP"]),
+        "generation_seconds": {k: [round(r.seconds, 3) for r in rs] for k, rs in runs.items()},
         "tail_seconds": {k: round(tail_seconds(v, len(lengths)), 3) for k, v in results.items()},
         "regroup_seconds_by_mode": {k: round(sum(v), 4) for k, v in modes.items()},
         "regroups": [[list(r.old), list(r.new), round(r.time, 3)] for r in adaptive.regroups],
         "batch": len(lengths), "cap": max(lengths), "world": args.world, "preset": args.preset,
+        "repeats": args.repeats,
     }
     print(json.dumps(summary))
     return 0

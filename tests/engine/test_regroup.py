@@ -1,5 +1,7 @@
 """Regroups on 4 CPU ranks (float32) give the tokens and log-probabilities of a single process at TP=1."""
 
+import dataclasses
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client import generate_latest
@@ -8,8 +10,10 @@ from pat_workers.engine.generator import LocalGenerator
 
 from .conftest import OPTIONS, fresh, make_requests, mismatches
 
-TRANSITIONS = {"1->2": ((1, 1, 1, 1), (2, 2)), "2->4": ((2, 2), (4,)), "1->4": ((1, 1, 1, 1), (4,))}
+TRANSITIONS = {"1->2": ((1, 1, 1, 1), (2, 2)), "2->4": ((2, 2), (4,)), "1->4": ((1, 1, 1, 1), (4,)),
+               "4->1": ((4,), (1, 1, 1, 1))}  # a split: each new TP=1 replica gathers all heads of its share
 POINTS = ("before-first-step", "mid-way", "replica-drained")
+CASES = [(t, p) for t in sorted(TRANSITIONS) for p in POINTS if not (t == "4->1" and p == "replica-drained")]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +46,7 @@ def run_with_regroup(gen, start, target, point, migration):
 
 
 @pytest.mark.parametrize("migration", ["kv", "recompute"])
-@pytest.mark.parametrize("point", POINTS)
-@pytest.mark.parametrize("transition", sorted(TRANSITIONS))
+@pytest.mark.parametrize("transition,point", CASES)
 def test_regroup_matches_single_process(gen4, reference, transition, point, migration):
     start, target = TRANSITIONS[transition]
     result = run_with_regroup(gen4, start, target, point, migration)
@@ -74,6 +77,16 @@ def test_auto_mode_and_metrics(gen4, reference):
     # auto: the measured costs chose a mode per request
     modes = {m for r in result.regroups[0].reports for m, n in r.modes.items() if n}
     assert modes <= {"kv", "recompute"} and modes
+
+
+def test_gloo_fallback_backend(model_dir, reference):
+    """The same regroup with gloo as the communicator (what runs where no shared memory is usable)."""
+    options = dataclasses.replace(OPTIONS, comm_backend="gloo")
+    with LocalGenerator(model_dir, 2, options) as gen:
+        result = run_with_regroup(gen, (1, 1), (2,), "mid-way", "kv")
+    assert [(r.old, r.new) for r in result.regroups] == [((1, 1), (2,))]
+    assert sum(r.modes.get("kv", 0) for r in result.regroups[0].reports) > 0
+    assert mismatches(reference, result.completions) == []
 
 
 def test_corrupted_shard_is_caught(model_dir, reference):

@@ -17,6 +17,8 @@ from .kv import KVCache
 from .model import Transformer
 from .sampling import SamplingParams, sample
 
+PREFILL_TOKENS_PER_FORWARD = 4096  # padded tokens in one batched prefill: bounds its activation memory
+
 
 @dataclass
 class Request:
@@ -31,6 +33,11 @@ class Request:
     @property
     def context_len(self) -> int:
         return len(self.prompt) + len(self.output)
+
+
+def _prefill_tokens(r: Request) -> list[int]:
+    """What a prefill feeds: the prompt, or for a recomputed request everything but the last token."""
+    return (r.prompt + r.output)[:-1] if r.output else r.prompt
 
 
 @dataclass
@@ -101,20 +108,35 @@ class Engine:
 
     def prefill_pending(self) -> int:
         """Prefills running requests without cached keys: new ones (then samples their first token) and
-        recomputed ones (prompt + all generated tokens but the last, which is the next decode input)."""
+        recomputed ones (prompt + all generated tokens but the last, which is the next decode input).
+
+        Consecutive slots go in one right-padded forward: positions past a row's end get keys that are never
+        attended, since a decode step writes position p before it attends to it."""
+        pending = [i for i, r in enumerate(self.running) if not r.cached]
         total = 0
-        for slot, r in enumerate(self.running):
-            if r.cached:
-                continue
-            context = (r.prompt + r.output)[:-1] if r.output else r.prompt
-            k, v = self.kv.rows(slot, slot + 1)
-            tokens = torch.tensor([context], device=self.model.device)
-            start = torch.zeros(1, dtype=torch.long, device=tokens.device)
-            logits = self.model.forward(self.shard, self.comm, tokens, start, k, v)
-            r.cached = len(context)
-            total += len(context)
-            if not r.output:
-                self._accept([r], logits)
+        while pending:
+            run = [pending[0]]
+            for i in pending[1:]:
+                tokens = (len(run) + 1) * max(len(_prefill_tokens(self.running[j])) for j in (*run, i))
+                if i != run[-1] + 1 or tokens > PREFILL_TOKENS_PER_FORWARD:
+                    break
+                run.append(i)
+            pending = pending[len(run):]
+            requests = [self.running[i] for i in run]
+            contexts = [_prefill_tokens(r) for r in requests]
+            width = max(map(len, contexts))
+            device = self.model.device
+            tokens = torch.tensor([c + [0] * (width - len(c)) for c in contexts], device=device)
+            k, v = self.kv.rows(run[0], run[-1] + 1)
+            start = torch.zeros(len(run), dtype=torch.long, device=device)
+            last = torch.tensor([len(c) - 1 for c in contexts], device=device)
+            logits = self.model.forward(self.shard, self.comm, tokens, start, k, v, last=last)
+            for r, c in zip(requests, contexts):
+                r.cached = len(c)
+                total += len(c)
+            fresh = [j for j, r in enumerate(requests) if not r.output]
+            if fresh:
+                self._accept([requests[j] for j in fresh], logits[fresh])
         return total
 
     def _accept(self, requests: list[Request], logits: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ from .costs import Costs
 from .engine import Request
 from .metrics import EngineMetrics
 from .rank import EngineOptions, rank_main
-from .regroup import RegroupReport
+from .regroup import MIGRATION_MODES, RegroupReport
 
 
 class GeneratorError(RuntimeError):
@@ -37,6 +37,7 @@ class StepRecord:
     seconds: float
     tokens: int
     finished: int
+    prefill_tokens: int
 
 
 @dataclass
@@ -175,6 +176,8 @@ class LocalGenerator:
         """Applies a layout at the next step boundary of the groups it changes; returns every rank's report.
 
         migration: auto | kv | recompute for this regroup (default: the engine option)."""
+        if migration not in (None, *MIGRATION_MODES):
+            raise ValueError(f"migration={migration!r}: use one of {MIGRATION_MODES}")
         target = layouts.validate(tuple(target), self.world, self.tp_sizes)
         for g in layouts.groups(target):
             if len(g) > 1 and set(g) & self.dead:
@@ -261,14 +264,15 @@ class LocalGenerator:
     def _handle(self, event: tuple) -> StepRecord | None:
         if event[0] != "step":
             return None
-        _, group, batch, waiting, seconds, tokens, finished = event
+        _, group, batch, waiting, seconds, tokens, prefill_tokens, finished = event
         self.metrics.on_step(group, batch, waiting, seconds, tokens)
         for r in finished:
             if r.id in self._where and r.id not in self._done:
                 self._done[r.id] = r
                 held_by = self._where.pop(r.id)
                 self._load[held_by] = max(self._load.get(held_by, 1) - 1, 0)
-        record = StepRecord(time.perf_counter() - self._t0, group, batch, waiting, seconds, tokens, len(finished))
+        record = StepRecord(time.perf_counter() - self._t0, group, batch, waiting, seconds, tokens, len(finished),
+                            prefill_tokens)
         if self._run is not None:
             self._run.steps.append(record)
         return record

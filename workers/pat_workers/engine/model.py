@@ -133,8 +133,10 @@ class Transformer:
         return x * cos + rotated * sin
 
     def forward(self, shard: Shard, comm: Communicator, tokens: torch.Tensor, start: torch.Tensor,
-                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], length: int | None = None) -> torch.Tensor:
-        """Runs tokens [B, T] whose first position is start [B]; returns the last position's logits [B, vocab].
+                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], length: int | None = None,
+                last: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs tokens [B, T] whose first position is start [B]; returns logits [B, vocab] at index `last` [B]
+        of each row (default T-1: rows of a batched prefill are right-padded to T).
 
         k_cache/v_cache[layer] are [B, local KV heads, max_seq, head_dim] views of the rows these sequences
         own; positions start..start+T-1 are written, 0..start+T-1 attended (causally). `length` fixes how many
@@ -167,7 +169,8 @@ class Transformer:
             mlp = F.linear(F.silu(F.linear(h, layer.w_gate, layer.b_gate)) * F.linear(h, layer.w_up, layer.b_up),
                            layer.w_down)
             x = x + self._reduced(comm, mlp, layer.b_down)
-        logits = F.linear(self.rms_norm(x[:, -1], self.w["model.norm.weight"]), shard.lm_head)
+        x = x[:, -1] if last is None else x[rows[:, 0], last]
+        logits = F.linear(self.rms_norm(x, self.w["model.norm.weight"]), shard.lm_head)
         if shard.lm_head_sharded and comm.size > 1:
             logits = torch.cat(comm.all_gather(logits.contiguous()), dim=-1)
         return logits

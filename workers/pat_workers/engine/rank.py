@@ -21,7 +21,7 @@ from .costs import measure
 from .engine import Engine
 from .loader import load_model
 from .model import Transformer
-from .regroup import regroup
+from .regroup import MIGRATION_MODES, regroup
 
 IDLE_POLL_SECONDS = 0.05
 
@@ -36,6 +36,18 @@ class EngineOptions:
     comm_timeout: float = 60.0
     profile_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # decode profile per TP (capped at capacity)
     threads: int = 1  # torch threads per rank on CPU
+
+    def __post_init__(self):
+        for name, ok, fix in (
+            ("max_batch", self.max_batch >= 1, "use 1 or more"),
+            ("max_seq", self.max_seq >= 2, "use 2 or more (prompt + generated tokens)"),
+            ("dtype", self.dtype in ("float32", "bfloat16", "float16"), "use float32, bfloat16 or float16"),
+            ("migration", self.migration in MIGRATION_MODES, f"use one of {MIGRATION_MODES}"),
+            ("comm_backend", self.comm_backend in ("auto", "shm", "gloo", "nccl"), "use auto, shm, gloo or nccl"),
+            ("threads", self.threads >= 1, "use 1 or more"),
+        ):
+            if not ok:
+                raise ValueError(f"engine option {name}={getattr(self, name)!r} is invalid: {fix}")
 
 
 def _device(rank: int) -> torch.device:
@@ -106,4 +118,4 @@ def _serve(engine: Engine, costs, opts: EngineOptions, commands, events) -> None
             stats = engine.step()
             if engine.is_leader:
                 events.put(("step", engine.group, stats.batch, len(engine.waiting), stats.seconds, stats.tokens,
-                            stats.finished))
+                            stats.prefill_tokens, stats.finished))

@@ -90,7 +90,7 @@ def regroup(engine: Engine, old: Layout, new: Layout, epoch: int, costs: Costs, 
         moves, waiting = _plan(engine, held, old_groups, new_groups, costs, migration)
         failpoint("regroup.transfer", rank)
         kv = engine.new_cache(len(mine_new))
-        sent = _move_kv(engine, comm, region, moves, mine_new, kv)
+        sent = _move_kv(engine, comm, region, moves, kv)
         kv_seconds = time.perf_counter() - start
         failpoint("regroup.commit", rank)
         comm.barrier()
@@ -138,24 +138,28 @@ def _plan(engine: Engine, held, old_groups: list[Group], new_groups: list[Group]
         for r, _, _ in items[capacity:]:  # more than the new cache holds: queue them, to be re-prefilled
             r.cached = 0
         waiting[g][:0] = [r for r, _, _ in items[capacity:]]
-        moves[g] = []
-        for slot, (r, old, old_slot) in enumerate(items[:capacity]):
+        chosen = []
+        for r, old, old_slot in items[:capacity]:
             crossing = sum(len(_overlap(_heads(g, j, cfg.num_kv_heads), _heads(old, m, cfg.num_kv_heads)))
                            for j in g for m in old if m != j)
             mode = migration if migration != "auto" else costs.choose(
                 crossing * r.cached * bytes_per_head_token, r.cached, len(g))
-            if mode == "recompute":
-                r.cached = 0
-            moves[g].append(_Move(r, old, old_slot, slot, mode))
+            chosen.append((mode != "kv", r, old, old_slot, mode))
+        # Migrated requests first: those to recompute then fill consecutive slots, prefilled in one batch.
+        chosen.sort(key=lambda c: c[0])
+        moves[g] = [_Move(r, old, old_slot, slot, mode) for slot, (_, r, old, old_slot, mode) in enumerate(chosen)]
+        for mv in moves[g]:
+            if mv.mode == "recompute":
+                mv.request.cached = 0
     return moves, waiting
 
 
-def _move_kv(engine: Engine, comm, region: Group, moves: dict[Group, list[_Move]], mine: Group, kv) -> int:
+def _move_kv(engine: Engine, comm, region: Group, moves: dict[Group, list[_Move]], kv) -> int:
     """Moves every migrating request's cache to its new owners in one all-to-all; returns bytes sent."""
     rank, n_kv = engine.rank, engine.model.cfg.num_kv_heads
     old_heads = _heads(engine.group, rank, n_kv)
-    sends: list[list[torch.Tensor]] = [[] for _ in region]
-    expected: list[list[tuple[list[torch.Tensor]]]] = [[] for _ in region]  # destination views per source
+    sends: list[list[torch.Tensor]] = [[] for _ in region]  # per region member: what goes to it, in order
+    expected: list[list[torch.Tensor]] = [[] for _ in region]  # per region member: where its pieces land
     for g, group_moves in moves.items():
         for mv in group_moves:
             if mv.mode != "kv":
@@ -179,15 +183,14 @@ def _move_kv(engine: Engine, comm, region: Group, moves: dict[Group, list[_Move]
                     elif m == rank:
                         sends[region.index(j)].extend(v.reshape(-1) for v in views)
                     else:
-                        expected[region.index(m)].append(targets)
+                        expected[region.index(m)].extend(targets)
     flat = [torch.cat(s) if s else None for s in sends]
     received = comm.all_to_all(flat)
-    for source, targets_list in enumerate(expected):
+    for source, targets in enumerate(expected):
         offset = 0
-        for targets in targets_list:
-            for t in targets:
-                t.copy_(received[source][offset:offset + t.numel()].view(t.shape))
-                offset += t.numel()
+        for t in targets:
+            t.copy_(received[source][offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()
     return sum(f.numel() * f.element_size() for f in flat if f is not None)
 
 
