@@ -114,3 +114,17 @@ def test_rank_killed_during_regroup(model_dir, reference, point):
         fallback = [s for f in text_string_to_metric_families(generate_latest(gen.metrics.registry).decode())
                     for s in f.samples if s.name == "pat_generator_regroups_total"]
         assert [(s.labels["outcome"], s.value) for s in fallback] == [("fallback", 1.0)]
+
+
+def test_late_rank_times_out_the_regroup(model_dir, reference):
+    """Rank 3 is alive but stalls past the communicator timeout inside a 1->4 regroup: every rank falls back
+    to TP=1 on its own requests (nobody is dead, so nothing changes hands) and nothing is lost."""
+    options = dataclasses.replace(OPTIONS, comm_timeout=1.0)
+    with LocalGenerator(model_dir, 4, options, env={"PAT_FAILPOINTS": "regroup.share@3~2.5"}) as gen:
+        result = run_with_regroup(gen, (1, 1, 1, 1), (4,), "mid-way", "kv")
+        reports = result.regroups[0].reports
+        assert sorted(r.rank for r in reports) == [0, 1, 2, 3]
+        assert {r.outcome for r in reports} == {"fallback"} and all(r.dead_ranks == [] for r in reports)
+        assert all("timed out" in r.error for r in reports if r.rank != 3)
+        assert gen.layout == (1, 1, 1, 1) and not gen.dead
+        assert mismatches(reference, result.completions) == []
