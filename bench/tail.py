@@ -1,5 +1,7 @@
-"""One long-tailed rollout batch, three ways side by side on the same ranks: fixed DP (world x TP1), fixed
-TP=world, and adaptive (starts at TP1, the planner merges groups with the measured step profile).
+"""One long-tailed rollout batch, side by side on the same ranks: fixed DP (world x TP1), fixed TP=world,
+adaptive (the planner picks the starting layout at the batch boundary and merges groups during the batch,
+from the measured step profile), and tail-only (starts at DP; the planner acts only once at most a quarter of
+the batch is left, which isolates a regroup of long sequences in the tail).
 
 Prints a table and, last, one JSON line. Not a test: it measures.
   python bench/tail.py            # cap 512 tokens, 32 sequences, 2 ranks
@@ -19,7 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from pat_operator import planner
-from pat_operator.layout import uniform
+from pat_operator.layout import groups, uniform
 from pat_workers.engine.engine import Request
 from pat_workers.engine.generator import LocalGenerator, RunResult
 from pat_workers.engine.rank import EngineOptions
@@ -99,7 +101,15 @@ def main() -> int:
         def adaptive(g: LocalGenerator):
             return planner.plan(g.layout, g.loads(), g.costs.decode, g.tp_sizes, args.min_gain)
 
-        configs = [("fixed DP", dp, None), ("fixed TP", tp, None), ("adaptive", dp, adaptive)]
+        # At the batch boundary the planner also picks the layout the batch starts in, from its size.
+        even = {grp: len(lengths) // args.world for grp in groups(dp)}
+        first = planner.plan(dp, even, gen.costs.decode, gen.tp_sizes, args.min_gain) or dp
+        print(f"planner: the batch starts at layout {first}", flush=True)
+        def tail_only(g: LocalGenerator):  # PAT's trigger alone: act once at most a quarter of the batch is left
+            return adaptive(g) if sum(g.loads().values()) * 4 <= len(lengths) else None
+
+        configs = [("fixed DP", dp, None), ("fixed TP", tp, None), ("adaptive", first, adaptive),
+                   ("tail-only", dp, tail_only)]
         runs: dict[str, list[RunResult]] = defaultdict(list)
         for repeat in range(args.repeats):  # alternate the order, so that drift over time favours no one
             for name, start, policy in configs if repeat % 2 == 0 else configs[::-1]:
@@ -128,7 +138,7 @@ def main() -> int:
         cells = [by_shape.get((t, b)) for b in buckets]
         print(f"{t:<11d}" + "".join(f"{1e3 * sum(c) / len(c):8.1f}" if c else f"{'-':>8s}" for c in cells))
     modes: dict[str, list[float]] = defaultdict(list)
-    for rec in results["adaptive"].regroups:
+    for rec in (rec for name in ("adaptive", "tail-only") for rec in results[name].regroups):
         print(f"\nregroup at {rec.time:.2f} s: {rec.old} -> {rec.new}")
         for rep in rec.reports:
             print(f"  rank {rep.rank} group {rep.group}: {rep.outcome}, requests {rep.modes}, "
@@ -140,13 +150,17 @@ def main() -> int:
     summary = {
         "adaptive_over_fixed_dp": round(means["adaptive"] / means["fixed DP"], 4),
         "adaptive_over_fixed_tp": round(means["adaptive"] / means["fixed TP"], 4),
-        "regroup_fraction": round(max(sum(x.seconds for x in r.regroups) / r.seconds for r in runs["adaptive"]), 5),
-        "token_mismatches": max(mismatched_tokens(r, reference) for r in runs["adaptive"]),
+        "regroup_fraction": round(max(sum(x.seconds for x in r.regroups) / r.seconds
+                                      for r in runs["adaptive"] + runs["tail-only"]), 5),
+        "adaptive_start_layout": list(first),
+        "token_mismatches": max(mismatched_tokens(r, reference) for r in runs["adaptive"] + runs["tail-only"]),
+        "tail_only_over_fixed_dp": round(means["tail-only"] / means["fixed DP"], 4),
         "fixed_tp_token_mismatches": max(mismatched_tokens(r, reference) for r in runs["fixed TP"]),
         "generation_seconds": {k: [round(r.seconds, 3) for r in rs] for k, rs in runs.items()},
         "tail_seconds": {k: round(tail_seconds(v, len(lengths)), 3) for k, v in results.items()},
         "regroup_seconds_by_mode": {k: round(sum(v), 4) for k, v in modes.items()},
-        "regroups": [[list(r.old), list(r.new), round(r.time, 3)] for r in adaptive.regroups],
+        "regroups": {name: [[list(r.old), list(r.new), round(r.time, 3)] for r in results[name].regroups]
+                     for name in ("adaptive", "tail-only")},
         "batch": len(lengths), "cap": max(lengths), "world": args.world, "preset": args.preset,
         "repeats": args.repeats,
     }
