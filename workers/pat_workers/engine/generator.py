@@ -200,33 +200,33 @@ class LocalGenerator:
             report: RegroupReport = event[1]
             reports.append(report)
             covered |= set(report.group) if report.outcome != "unchanged" else {report.rank}
-        self._apply_reports(old, target, reports)
+        self._apply_reports(target, reports)
         self._accounted_dead = set(self.dead)
         if self._run is not None:
             self._run.regroups.append(RegroupRecord(started - self._t0, self.epoch, old, self.layout, reports))
         return reports
 
-    def _apply_reports(self, old: Layout, target: Layout, reports: list[RegroupReport]) -> None:
+    def _apply_reports(self, target: Layout, reports: list[RegroupReport]) -> None:
         self.metrics.on_regroup(reports)
-        fell_back = {r for rep in reports if rep.outcome in ("fallback", "rejected") for r in rep.region}
-        if not fell_back:
-            self._set_layout(target)
-        else:  # the failed regions are TP=1 now; other regions applied the plan
-            sizes: list[int] = []
-            for g in layouts.groups(target):
-                sizes += [1] * len(g) if set(g) & fell_back else [len(g)]
-            self._set_layout(tuple(sizes))
-            held = {i for rep in reports for i in rep.request_ids}
-            lost = [self._requests[i] for i, g in self._where.items() if set(g) & fell_back and i not in held
-                    and i not in self._done]
-            for r in lost:  # the group that held them is gone before it could hand them over: start again
-                r.output, r.logprobs, r.cached, r.finish_reason = [], [], 0, None
-                del self._where[r.id]
-            self.submit(lost)
         for rep in reports:  # requests now live where the reports say
             for i in rep.request_ids:
                 if i in self._where:
                     self._where[i] = rep.group
+        fell_back = {r for rep in reports if rep.outcome in ("fallback", "rejected") for r in rep.region}
+        if not fell_back:
+            self._set_layout(target)
+            return
+        # The failed regions are TP=1 now; other regions applied the plan.
+        held = {i for rep in reports for i in rep.request_ids}
+        lost = [self._requests[i] for i, g in self._where.items() if set(g) & fell_back and i not in held]
+        for r in lost:  # the group that held them died before it could hand them over: start them again
+            r.output, r.logprobs, r.cached, r.finish_reason = [], [], 0, None
+            del self._where[r.id]
+        sizes: list[int] = []
+        for g in layouts.groups(target):
+            sizes += [1] * len(g) if set(g) & fell_back else [len(g)]
+        self._set_layout(tuple(sizes))
+        self.submit(lost)
 
     def _set_layout(self, layout: Layout) -> None:
         self.layout = layout
