@@ -12,11 +12,13 @@ OPTIONS = EngineOptions(max_batch=8, max_seq=192, profile_batches=(1, 4))
 
 
 def make_requests(n: int = 12, seed: int = 0) -> list[Request]:
-    """Mixed lengths (so replicas run dry at different times), half greedy, half sampled with fixed seeds."""
+    """Mixed lengths (so replicas run dry at different times) and one long tail (so that a replica that ran dry
+    still has a peer decoding when the coordinator, a few events behind, reacts); half greedy, half sampled."""
     out = []
     for i in range(n):
         sampled = i % 2 == 1
-        params = SamplingParams(max_tokens=8 + (i * 7) % 40, ignore_eos=True, seed=seed * 1000 + i,
+        params = SamplingParams(max_tokens=100 if i == n - 1 else 8 + (i * 7) % 40, ignore_eos=True,
+                                seed=seed * 1000 + i,
                                 temperature=0.9 if sampled else 0.0, top_p=0.95 if sampled else 1.0,
                                 top_k=50 if i % 4 == 3 else 0)
         out.append(Request(f"req-{i}", [256] + [(37 * i + 11 * j) % 250 for j in range(3 + i % 5)], params))

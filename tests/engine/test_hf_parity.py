@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: make test installs it")
+import transformers  # a test dependency: make test installs it
 
 from pat_workers.engine.comm import SoloCommunicator
 from pat_workers.engine.config import ModelConfig

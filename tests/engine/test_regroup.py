@@ -6,6 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client import generate_latest
 
+from pat_operator.layout import LayoutError
 from pat_workers.engine.generator import LocalGenerator
 
 from .conftest import OPTIONS, fresh, make_requests, mismatches
@@ -119,8 +120,8 @@ def test_rank_killed_during_regroup(model_dir, reference, point):
 def test_late_rank_times_out_the_regroup(model_dir, reference):
     """Rank 3 is alive but stalls past the communicator timeout inside a 1->4 regroup: every rank falls back
     to TP=1 on its own requests (nobody is dead, so nothing changes hands) and nothing is lost."""
-    options = dataclasses.replace(OPTIONS, comm_timeout=1.0)
-    with LocalGenerator(model_dir, 4, options, env={"PAT_FAILPOINTS": "regroup.share@3~2.5"}) as gen:
+    options = dataclasses.replace(OPTIONS, comm_timeout=2.0)
+    with LocalGenerator(model_dir, 4, options, env={"PAT_FAILPOINTS": "regroup.share@3~5"}) as gen:
         result = run_with_regroup(gen, (1, 1, 1, 1), (4,), "mid-way", "kv")
         reports = result.regroups[0].reports
         assert sorted(r.rank for r in reports) == [0, 1, 2, 3]
@@ -128,3 +129,27 @@ def test_late_rank_times_out_the_regroup(model_dir, reference):
         assert all("timed out" in r.error for r in reports if r.rank != 3)
         assert gen.layout == (1, 1, 1, 1) and not gen.dead
         assert mismatches(reference, result.completions) == []
+        # The 4-rank communicator is out of step now: refused with a clear reason; a pair still works
+        # (ranks 0-1: rank 3 would stall again).
+        with pytest.raises(LayoutError, match=r"communicator of ranks \(0, 1, 2, 3\) failed"):
+            gen.regroup((4,))
+        result = run_with_regroup(gen, (1, 1, 1, 1), (2, 1, 1), "mid-way", "kv")
+        assert {(r.group, r.outcome) for r in result.regroups[0].reports} == {
+            ((0, 1), "applied"), ((2,), "unchanged"), ((3,), "unchanged")}
+        assert mismatches(reference, result.completions) == []
+
+
+def test_bad_requests_and_plans_are_refused_with_the_reason(gen4):
+    from pat_workers.engine.engine import Request
+
+    gen4.regroup((1, 1, 1, 1))
+    for prompt, message in (([], "must have 1 to"), ([5, 99999], "outside the vocabulary"),
+                            (list(range(200)), "must have 1 to")):
+        with pytest.raises(ValueError, match=message):
+            gen4.submit([Request("bad", prompt)])
+    for layout, message in (((1, 2, 1), "not aligned"), ((2, 2, 2), "covers 6 ranks"), ((3, 1), "power of two")):
+        with pytest.raises(LayoutError, match=message):
+            gen4.regroup(layout)
+    with pytest.raises(ValueError, match="migration='fast'"):
+        gen4.regroup((2, 2), migration="fast")
+    assert gen4.layout == (1, 1, 1, 1) and gen4.loads() == dict.fromkeys([(0,), (1,), (2,), (3,)], 0)

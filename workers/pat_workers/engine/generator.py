@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pat_operator import layout as layouts
 from pat_operator.layout import Group, Layout
 
+from .config import ModelConfig
 from .costs import Costs
 from .engine import Request
 from .metrics import EngineMetrics
@@ -73,10 +74,12 @@ class LocalGenerator:
     def __init__(self, model_dir: str, world: int, options: EngineOptions = EngineOptions(),
                  env: dict[str, str] | None = None):
         self.model_dir, self.world, self.options, self.env = str(model_dir), world, options, env or {}
+        self.config = ModelConfig.from_dir(model_dir)  # fails here, in the caller, on a bad model directory
         self.layout: Layout = layouts.uniform(world)
         self.epoch = 0
         self.metrics = EngineMetrics()
         self.dead: set[int] = set()
+        self.broken: set[Group] = set()  # blocks whose communicator failed: unusable until the pod restarts
         self._accounted_dead: set[int] = set()  # deaths a regroup fallback already handled
         self.costs: Costs | None = None
         self.tp_sizes: list[int] = [1]
@@ -137,6 +140,12 @@ class LocalGenerator:
             if not r.prompt or len(r.prompt) >= self.options.max_seq:
                 raise ValueError(f"request {r.id}: prompt has {len(r.prompt)} tokens; it must have 1 to "
                                  f"{self.options.max_seq - 1} (engine max_seq)")
+            if not all(0 <= t < self.config.vocab_size for t in r.prompt):
+                bad = next(t for t in r.prompt if not 0 <= t < self.config.vocab_size)
+                raise ValueError(f"request {r.id}: prompt token id {bad} is outside the vocabulary "
+                                 f"(0..{self.config.vocab_size - 1}); tokenize with the model's tokenizer.json")
+            if r.id in self._where:
+                raise ValueError(f"request {r.id}: an unfinished request has this id; ids must be unique")
             group = min(self._live_groups(), key=lambda g: self._load[g] / len(g))
             self._load[group] += 1
             self._requests[r.id], self._where[r.id] = r, group
@@ -182,7 +191,11 @@ class LocalGenerator:
         for g in layouts.groups(target):
             if len(g) > 1 and set(g) & self.dead:
                 raise layouts.LayoutError(f"layout {target}: group {g} contains dead rank(s) "
-                                          f"{sorted(set(g) & self.dead)}")
+                                          f"{sorted(set(g) & self.dead)}; restart the pod to use them again")
+        for g in layouts.groups(target) + layouts.regions(self.layout, target):
+            if g in self.broken:
+                raise layouts.LayoutError(f"layout {target}: the communicator of ranks {g} failed in an earlier "
+                                          f"regroup; restart the pod to use it again")
         old, self.epoch = self.layout, self.epoch + 1
         started = time.perf_counter()
         for g in self._live_groups():
@@ -212,7 +225,9 @@ class LocalGenerator:
             for i in rep.request_ids:
                 if i in self._where:
                     self._where[i] = rep.group
-        fell_back = {r for rep in reports if rep.outcome in ("fallback", "rejected") for r in rep.region}
+        failed = {rep.region for rep in reports if rep.outcome in ("fallback", "rejected")}
+        self.broken |= failed
+        fell_back = {r for region in failed for r in region}
         if not fell_back:
             self._set_layout(target)
             return
