@@ -44,12 +44,15 @@ class Costs:
                 "decode": {str(t): {str(b): s for b, s in d.items()} for t, d in self.decode.items()}}
 
 
-def _timed(fn, repeats: int) -> float:
+def _timed(fn, repeats: int, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # CUDA kernels are async
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
@@ -69,12 +72,12 @@ def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], bat
             k, v = cache.rows(0, 1)
             tokens = torch.zeros(1, length, dtype=torch.long, device=device)
             start = torch.zeros(1, dtype=torch.long, device=device)
-            samples.append(_timed(lambda: model.forward(shard, comm, tokens, start, k, v), repeats))
+            samples.append(_timed(lambda: model.forward(shard, comm, tokens, start, k, v), repeats, device))
         for batch in batches:
             k, v = cache.rows(0, batch)
             tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
             start = torch.full((batch,), context, dtype=torch.long, device=device)
-            samples.append(_timed(lambda: model.forward(shard, comm, tokens, start, k, v), repeats))
+            samples.append(_timed(lambda: model.forward(shard, comm, tokens, start, k, v), repeats, device))
     link = (0.0, 0.0)
     if world > 1:
         pair = pool.get(next(b for b in pool.blocks(2) if rank in b))
