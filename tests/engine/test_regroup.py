@@ -8,6 +8,7 @@ from prometheus_client import generate_latest
 
 from pat_operator.layout import LayoutError
 from pat_workers.engine.generator import LocalGenerator
+from pat_workers.engine.tiny import make_tiny_model
 
 from .conftest import OPTIONS, fresh, make_requests, mismatches
 
@@ -40,10 +41,10 @@ def regroup_once(start, target, point):
     return policy, steps.append
 
 
-def run_with_regroup(gen, start, target, point, migration):
+def run_with_regroup(gen, start, target, point, migration, requests=None):
     gen.regroup(start)  # back to the batch's starting layout (from whatever the last case left)
     policy, on_step = regroup_once(start, target, point)
-    return gen.run(fresh(make_requests()), policy=policy, on_step=on_step, migration=migration)
+    return gen.run(fresh(requests or make_requests()), policy=policy, on_step=on_step, migration=migration)
 
 
 @pytest.mark.parametrize("migration", ["kv", "recompute"])
@@ -153,3 +154,15 @@ def test_bad_requests_and_plans_are_refused_with_the_reason(gen4):
     with pytest.raises(ValueError, match="migration='fast'"):
         gen4.regroup((2, 2), migration="fast")
     assert gen4.layout == (1, 1, 1, 1) and gen4.loads() == dict.fromkeys([(0,), (1,), (2,), (3,)], 0)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_other_families_regroup_exactly(tmp_path, family):
+    """Qwen2's sliced q/k/v biases and Qwen3's q/k norms with a decoupled head_dim, through a 1->2 merge."""
+    model = make_tiny_model(tmp_path, family=family, preset="test", seed=2)
+    with LocalGenerator(model, 1, OPTIONS) as gen:
+        expected = gen.run(fresh(make_requests(6))).completions
+    with LocalGenerator(model, 2, OPTIONS) as gen:
+        result = run_with_regroup(gen, (1, 1), (2,), "mid-way", "kv", make_requests(6))
+    assert [(r.old, r.new) for r in result.regroups] == [((1, 1), (2,))]
+    assert mismatches(expected, result.completions) == []
