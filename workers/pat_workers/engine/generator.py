@@ -112,8 +112,8 @@ class LocalGenerator:
             if event[0] != "ready":
                 raise GeneratorError(f"unexpected event while starting: {event[0]}")
             ready += 1
-            if event[3] is not None:
-                self.costs, self.tp_sizes = event[3], event[4]
+            if event[2] is not None:
+                self.costs, self.tp_sizes = event[2], event[3]
         self._set_layout(self.layout)
         return self
 

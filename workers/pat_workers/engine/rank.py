@@ -75,7 +75,7 @@ def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_m
             tp_sizes = [t for t in cfg.tp_sizes(world) if cfg.intermediate_size % t == 0]
             batches = sorted({b for b in opts.profile_batches if b <= opts.max_batch * max(tp_sizes)})
             costs = measure(model, pool, tp_sizes, batches)
-            events.put(("ready", rank, os.getpid(), costs if rank == 0 else None, tp_sizes))
+            events.put(("ready", rank, costs if rank == 0 else None, tp_sizes))
             _serve(engine, costs, opts, commands[rank], events)
         pool.close()
         dist.destroy_process_group()
