@@ -65,5 +65,5 @@ def _draw(scaled: torch.Tensor, p: SamplingParams, u: float) -> int:
         keep = (probs.cumsum(0) - probs) < p.top_p  # the smallest prefix whose mass reaches top_p
         probs = probs[keep]
     cdf = probs.cumsum(0)
-    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype)))
+    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)))
     return int(order[min(index, len(cdf) - 1)])
