@@ -8,7 +8,8 @@ from pat_workers.engine.rank import EngineOptions
 from pat_workers.engine.sampling import SamplingParams
 from pat_workers.engine.tiny import make_tiny_model
 
-OPTIONS = EngineOptions(max_batch=8, max_seq=192, profile_batches=(1, 4))
+# CPU: the comparisons are between CPU runs (a GPU, where present, would be a different numeric path).
+OPTIONS = EngineOptions(max_batch=8, max_seq=192, profile_batches=(1, 4), device="cpu")
 
 
 def make_requests(n: int = 12, seed: int = 0) -> list[Request]:

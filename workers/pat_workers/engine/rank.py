@@ -36,6 +36,7 @@ class EngineOptions:
     comm_timeout: float = 60.0
     profile_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # decode profile per TP (capped at capacity)
     threads: int = 1  # torch threads per rank on CPU
+    device: str = "auto"  # auto (CUDA when there is a GPU per rank) | cuda | cpu
 
     def __post_init__(self):
         for name, ok, fix in (
@@ -45,16 +46,22 @@ class EngineOptions:
             ("migration", self.migration in MIGRATION_MODES, f"use one of {MIGRATION_MODES}"),
             ("comm_backend", self.comm_backend in ("auto", "shm", "gloo", "nccl"), "use auto, shm, gloo or nccl"),
             ("threads", self.threads >= 1, "use 1 or more"),
+            ("device", self.device in ("auto", "cuda", "cpu"), "use auto, cuda or cpu"),
         ):
             if not ok:
                 raise ValueError(f"engine option {name}={getattr(self, name)!r} is invalid: {fix}")
 
 
-def _device(rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _device(rank: int, world: int, choice: str) -> torch.device:
+    """One device per rank: a GPU each when there are enough of them (NCCL needs distinct GPUs), else CPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "cuda" and gpus < world:
+        raise RuntimeError(f"engine option device='cuda' needs a GPU per rank: {world} ranks, {gpus} GPU(s); "
+                           f"use fewer ranks or device='cpu'")
+    if choice == "cpu" or gpus < world:
+        return torch.device("cpu")
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
 
 
 def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_method: str,
@@ -62,7 +69,7 @@ def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_m
     os.environ.update(env or {})
     try:
         torch.set_num_threads(opts.threads)
-        device = _device(rank)
+        device = _device(rank, world, opts.device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
                                 rank=rank, world_size=world)
         pool = CommunicatorPool.build(rank, world, backend=opts.comm_backend, timeout=opts.comm_timeout)
