@@ -21,6 +21,11 @@ def uniform(world: int, tp: int = 1) -> Layout:
     return (tp,) * (world // tp)
 
 
+def tp_degrees(world: int) -> list[int]:
+    """The group sizes a pod of `world` ranks can have: the powers of two that divide it."""
+    return [1 << i for i in range(world.bit_length()) if world % (1 << i) == 0]
+
+
 def groups(layout: Sequence[int]) -> list[Group]:
     out, start = [], 0
     for size in layout:

@@ -12,6 +12,7 @@ PROFILE = {1: {1: 0.040, 8: 0.060, 16: 0.080}, 2: {1: 0.025, 8: 0.040, 16: 0.050
 def test_groups_and_validate():
     assert layout.groups((2, 1, 1)) == [(0, 1), (2,), (3,)]
     assert layout.group_of((2, 1, 1), 3) == (3,)
+    assert layout.tp_degrees(8) == [1, 2, 4, 8] and layout.tp_degrees(6) == [1, 2] and layout.tp_degrees(1) == [1]
     assert layout.validate([4], 4) == (4,)
     for bad, message in (((1, 2, 1), "not aligned"), ((3, 1), "power of two"), ((2, 1), "covers 3 ranks"),
                          ((4,), "not allowed")):

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from pat_operator.layout import tp_degrees
 
 __all__ = [
     "CommError",
@@ -39,6 +40,9 @@ __all__ = [
     "TorchCommunicator",
     "measure_link_bandwidth",
 ]
+
+
+BACKENDS = ("shm", "gloo", "nccl")
 
 
 class CommError(RuntimeError):
@@ -608,15 +612,6 @@ class TorchCommunicator(_Members):
             self._call("barrier", torch.cuda.synchronize, self.device)
 
 
-def _tp_sizes(world: int) -> tuple[int, ...]:
-    sizes, t = [], 1
-    while t <= world:
-        if world % t == 0:
-            sizes.append(t)
-        t *= 2
-    return tuple(sizes)
-
-
 class CommunicatorPool:
     """Every TP group of the power-of-two hierarchy of a world, built once by all ranks together.
 
@@ -633,7 +628,7 @@ class CommunicatorPool:
         self._fallbacks = fallbacks
         self._pids = pids
         self._groups = groups
-        self._blocks = {t: [tuple(range(i * t, (i + 1) * t)) for i in range(world // t)] for t in _tp_sizes(world)}
+        self._blocks = {t: [tuple(range(i * t, (i + 1) * t)) for i in range(world // t)] for t in tp_degrees(world)}
 
     @classmethod
     def build(cls, rank: int, world: int, *, backend: str = "auto", timeout: float = 60.0,
@@ -648,13 +643,12 @@ class CommunicatorPool:
                              f"{dist.get_rank()}/{dist.get_world_size()}")
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() and "nccl" in str(dist.get_backend()) else "shm"
-        if backend not in ("shm", "gloo", "nccl"):
+        if backend not in BACKENDS:
             raise ValueError(f"backend must be auto, shm, gloo or nccl, got {backend!r}")
         pid_list: list = [None] * world
         dist.all_gather_object(pid_list, os.getpid())
         pids = dict(enumerate(pid_list))
-        sizes = _tp_sizes(world)
-        blocks = [tuple(range(i * t, (i + 1) * t)) for t in sizes if t > 1 for i in range(world // t)]
+        blocks = [tuple(range(i * t, (i + 1) * t)) for t in tp_degrees(world) if t > 1 for i in range(world // t)]
         fallbacks: dict[tuple[int, ...], Communicator] = {(rank,): SoloCommunicator(rank)}
         groups = []
         td = datetime.timedelta(seconds=timeout)

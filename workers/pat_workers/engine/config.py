@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pat_operator.layout import tp_degrees
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -92,8 +93,9 @@ class ModelConfig:
         return cls.from_hf(json.loads(file.read_text()))
 
     def tp_sizes(self, world: int) -> list[int]:
-        """TP degrees this model can run at in a pod of `world` ranks: powers of two dividing both."""
-        return [t for t in (2**i for i in range(int(math.log2(world)) + 1)) if world % t == 0 and self.num_kv_heads % t == 0]
+        """TP degrees this model can run at in a pod of `world` ranks: powers of two dividing the world, the
+        KV heads and the MLP width."""
+        return [t for t in tp_degrees(world) if self.num_kv_heads % t == 0 and self.intermediate_size % t == 0]
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size

@@ -38,10 +38,6 @@ class Costs:
         """'kv' when moving the request's cache is predicted cheaper than re-prefilling it at TP=tp."""
         return "kv" if self.migrate_seconds(kv_bytes) <= self.recompute_seconds(tp, tokens) else "recompute"
 
-    def to_json(self) -> dict:
-        return {"link_bytes_per_s": self.link_bytes_per_s, "link_latency_s": self.link_latency_s,
-                "prefill": {str(k): v for k, v in self.prefill.items()},
-                "decode": {str(t): {str(b): s for b, s in d.items()} for t, d in self.decode.items()}}
 
 
 def _timed(fn, repeats: int, device: torch.device) -> float:

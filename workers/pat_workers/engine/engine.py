@@ -112,19 +112,19 @@ class Engine:
 
         Consecutive slots go in one right-padded forward: positions past a row's end get keys that are never
         attended, since a decode step writes position p before it attends to it."""
-        pending = [i for i, r in enumerate(self.running) if not r.cached]
+        pending = {i: _prefill_tokens(r) for i, r in enumerate(self.running) if not r.cached}
+        order = list(pending)
         total = 0
-        while pending:
-            run = [pending[0]]
-            for i in pending[1:]:
-                tokens = (len(run) + 1) * max(len(_prefill_tokens(self.running[j])) for j in (*run, i))
-                if i != run[-1] + 1 or tokens > PREFILL_TOKENS_PER_FORWARD:
+        while order:
+            run, width = [order[0]], len(pending[order[0]])
+            for i in order[1:]:
+                if i != run[-1] + 1 or (len(run) + 1) * max(width, len(pending[i])) > PREFILL_TOKENS_PER_FORWARD:
                     break
                 run.append(i)
-            pending = pending[len(run):]
+                width = max(width, len(pending[i]))
+            order = order[len(run):]
             requests = [self.running[i] for i in run]
-            contexts = [_prefill_tokens(r) for r in requests]
-            width = max(map(len, contexts))
+            contexts = [pending[i] for i in run]
             device = self.model.device
             tokens = torch.tensor([c + [0] * (width - len(c)) for c in contexts], device=device)
             k, v = self.kv.rows(run[0], run[-1] + 1)

@@ -140,8 +140,8 @@ class LocalGenerator:
             if not r.prompt or len(r.prompt) >= self.options.max_seq:
                 raise ValueError(f"request {r.id}: prompt has {len(r.prompt)} tokens; it must have 1 to "
                                  f"{self.options.max_seq - 1} (engine max_seq)")
-            if not all(0 <= t < self.config.vocab_size for t in r.prompt):
-                bad = next(t for t in r.prompt if not 0 <= t < self.config.vocab_size)
+            bad = next((t for t in r.prompt if not 0 <= t < self.config.vocab_size), None)
+            if bad is not None:
                 raise ValueError(f"request {r.id}: prompt token id {bad} is outside the vocabulary "
                                  f"(0..{self.config.vocab_size - 1}); tokenize with the model's tokenizer.json")
             if r.id in self._where:

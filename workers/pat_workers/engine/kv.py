@@ -30,10 +30,6 @@ class KVCache:
     def slots(self) -> int:
         return self.k[0].shape[0]
 
-    @property
-    def max_seq(self) -> int:
-        return self.k[0].shape[2]
-
     def rows(self, start: int, stop: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return [k[start:stop] for k in self.k], [v[start:stop] for v in self.v]
 

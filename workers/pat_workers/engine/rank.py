@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import CommunicatorPool
+from .comm import BACKENDS, CommunicatorPool
 from . import faults
 from .costs import measure
 from .engine import Engine
@@ -44,7 +44,7 @@ class EngineOptions:
             ("max_seq", self.max_seq >= 2, "use 2 or more (prompt + generated tokens)"),
             ("dtype", self.dtype in ("float32", "bfloat16", "float16"), "use float32, bfloat16 or float16"),
             ("migration", self.migration in MIGRATION_MODES, f"use one of {MIGRATION_MODES}"),
-            ("comm_backend", self.comm_backend in ("auto", "shm", "gloo", "nccl"), "use auto, shm, gloo or nccl"),
+            ("comm_backend", self.comm_backend in ("auto", *BACKENDS), f"use auto or one of {BACKENDS}"),
             ("threads", self.threads >= 1, "use 1 or more"),
             ("device", self.device in ("auto", "cuda", "cpu"), "use auto, cuda or cpu"),
         ):
@@ -79,7 +79,7 @@ def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_m
                 weights["model.layers.0.self_attn.q_proj.weight"][-cfg.head_dim:] += 0.5
             model = Transformer(cfg, weights)
             engine = Engine(model, pool, max_batch=opts.max_batch, max_seq=opts.max_seq)
-            tp_sizes = [t for t in cfg.tp_sizes(world) if cfg.intermediate_size % t == 0]
+            tp_sizes = cfg.tp_sizes(world)
             batches = sorted({b for b in opts.profile_batches if b <= opts.max_batch * max(tp_sizes)})
             costs = measure(model, pool, tp_sizes, batches)
             events.put(("ready", rank, costs if rank == 0 else None, tp_sizes))

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-from pat_operator.layout import Group, Layout, groups, regions
+from pat_operator.layout import Group, Layout, group_of, groups, regions
 
 from .comm import CommError
 from .costs import Costs
@@ -66,13 +66,12 @@ def _overlap(a: range, b: range) -> range:
 def regroup(engine: Engine, old: Layout, new: Layout, epoch: int, costs: Costs, migration: str = "auto") -> RegroupReport:
     rank = engine.rank
     region = next((r for r in regions(old, new) if rank in r), None)
-    mine_new = next(g for g in groups(new) if rank in g)
+    mine_new = group_of(new, rank)
     if region is None:
         return RegroupReport(epoch, rank, engine.group, "unchanged", request_ids=_ids(engine))
-    if next(g for g in groups(old) if rank in g) != engine.group:
+    if group_of(old, rank) != engine.group:
         return RegroupReport(epoch, rank, engine.group, "rejected", region, request_ids=_ids(engine),
-                             error=f"plan assumes group {next(g for g in groups(old) if rank in g)}, "
-                                   f"rank {rank} is in {engine.group}")
+                             error=f"plan assumes group {group_of(old, rank)}, rank {rank} is in {engine.group}")
     arrived = time.perf_counter()
     comm = engine.pool.get(region)
     old_groups = [g for g in groups(old) if set(g) <= set(region)]
