@@ -17,3 +17,18 @@ GENERATOR_REGROUP_SECONDS = "pat_generator_regroup_seconds"  # histogram, label 
 GENERATOR_LAYOUT_EPOCH = "pat_generator_layout_epoch"
 
 REGROUP_MODES = ("kv", "recompute")
+GENERATOR_POLICY_VERSION = "pat_generator_policy_version"
+GENERATOR_BATCHES = "pat_generator_batches"  # counter: rollout batches completed (the batch boundaries)
+
+# Trainer (rank 0). Label phase: generate | reward | train | sync | checkpoint.
+TRAINER_ITERATION = "pat_trainer_iteration"
+TRAINER_PHASE_SECONDS = "pat_trainer_phase_seconds"  # gauge: the last iteration's seconds per phase
+TRAINER_REWARD_MEAN = "pat_trainer_reward_mean"
+TRAINER_REWARD_STD = "pat_trainer_reward_std"
+TRAINER_RESPONSE_TOKENS_MEAN = "pat_trainer_response_tokens_mean"
+TRAINER_LOSS = "pat_trainer_loss"
+TRAINER_KL = "pat_trainer_kl"
+TRAINER_ENTROPY = "pat_trainer_entropy"
+TRAINER_POLICY_VERSION = "pat_trainer_policy_version"
+
+TRAINER_PHASES = ("generate", "reward", "train", "sync", "checkpoint")

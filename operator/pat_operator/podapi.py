@@ -1,0 +1,106 @@
+"""The generator pod's HTTP API (its coordinator): payload models shared by the trainer, the operator and the pod.
+
+JSON field names are snake_case, as in OpenAI-style inference APIs. Every endpoint but /healthz, /readyz and
+/metrics needs `Authorization: Bearer <job token>`.
+
+  POST /v1/rollouts          RolloutBatch  -> 202 BatchStatus   (a batch is generated with one policy version)
+  GET  /v1/rollouts/{batch}  ?wait=seconds -> BatchStatus       (completions once done; long-polls up to wait)
+  POST /v1/regroup           RegroupPlan   -> RegroupAck        (applied at the next step boundary)
+  POST /v1/weights           WeightUpdate  -> 202 PodState      (ranks then receive the broadcast)
+  GET  /v1/state                           -> PodState
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Sampling(_Model):
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0, description="0 is greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class RolloutRequest(_Model):
+    id: str = Field(min_length=1)
+    prompt: str | None = Field(None, description="text, tokenized by the pod's tokenizer")
+    prompt_token_ids: list[int] | None = None
+    sampling: Sampling = Sampling()
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> RolloutRequest:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("set exactly one of prompt (text) or prompt_token_ids")
+        return self
+
+
+class RolloutBatch(_Model):
+    batch_id: str = Field(min_length=1)
+    policy_version: int = Field(ge=0, description="the pod must hold this version; 409 otherwise")
+    requests: list[RolloutRequest] = Field(min_length=1)
+
+
+class Completion(_Model):
+    id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+    policy_version: int
+    text: str | None = None
+
+
+class BatchStatus(_Model):
+    batch_id: str
+    done: bool
+    total: int
+    finished: int
+    completions: list[Completion] = []  # all of them, once done
+
+
+class RegroupPlan(_Model):
+    epoch: int = Field(ge=1, description="strictly increasing per pod; a repeated epoch is acknowledged again")
+    layout: list[int] = Field(min_length=1, description="TP group sizes in rank order, e.g. [2, 1, 1]")
+
+
+class RegroupAck(_Model):
+    applied_epoch: int
+    layout: list[int]
+    outcome: Literal["applied", "unchanged", "fallback"]
+
+
+class WeightUpdate(_Model):
+    version: int = Field(ge=1)
+    address: str = Field(description="host:port of the weight-sync store that the trainer's rank 0 hosts")
+    world: int = Field(ge=2, description="trainer rank 0 plus every generator rank of the job")
+    rank_offset: int = Field(ge=1, description="this pod's first rank in the weight-sync group")
+    backend: Literal["gloo", "nccl"] = "gloo"
+
+
+class GroupState(_Model):
+    ranks: list[int]
+    tp: int
+    running: int
+    waiting: int
+
+
+class PodState(_Model):
+    ready: bool
+    layout: list[int]
+    epoch: int
+    groups: list[GroupState]
+    policy_version: int
+    batch_id: str | None = None
+    batch_done: bool = True
+    controller: Literal["pod", "operator"]
+    world: int
+    dtype: str
