@@ -97,6 +97,7 @@ class Algorithm(_Model):
     scale_advantages_by_std: bool = Field(True, description="false for Dr. GRPO")
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="seq-mean-token-sum-norm for Dr. GRPO")
+    mini_batches: int = Field(2, ge=1, description="optimizer steps per iteration (the clip ratio acts from the 2nd)")
     grad_clip: float = Field(1.0, gt=0)
     seed: int = 0
 

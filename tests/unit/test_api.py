@@ -1,0 +1,54 @@
+"""The RLHFJob API models: the example is valid; each kind of bad input is rejected naming the field."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pat_operator.api import JobSpecError, load_job, parse_job
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "local.yaml"
+
+
+def example() -> dict:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def test_example_is_valid_and_camel_case_round_trips():
+    job = load_job(EXAMPLE)
+    assert job.spec.generator.ranks_per_pod == 2 and job.spec.adaptive_tp.controller == "pod"
+    again = parse_job(job.model_dump(by_alias=True))
+    assert again == job
+    assert "adaptiveTP" in job.spec.model_dump(by_alias=True)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda s: s["algorithm"].update(learningRate=-1), "spec.algorithm.learningRate"),
+    (lambda s: s["algorithm"].update(samplesPerPrompt=1), "spec.algorithm.samplesPerPrompt"),
+    (lambda s: s["algorithm"].update(lossAggregation="mean"), "spec.algorithm.lossAggregation"),
+    (lambda s: s["algorithm"].update(clipRatoi=0.2), "spec.algorithm.clipRatoi"),  # a typo is not ignored
+    (lambda s: s["generator"].update(ranksPerPod=3), "generator.ranksPerPod=3"),
+    (lambda s: s["adaptiveTP"].update(controller="both"), "spec.adaptiveTP.controller"),
+    (lambda s: s["model"].update(path="/models/x"), "exactly one of model.path"),
+    (lambda s: s["dataset"].pop("synthetic"), "exactly one of dataset.path"),
+    (lambda s: s["reward"].update(function="nomodule"), "module:function"),
+    (lambda s: s["generator"].update(maxSeq=40), "raise maxSeq"),
+])
+def test_bad_fields_are_named(edit, field):
+    doc = example()
+    edit(doc["spec"])
+    with pytest.raises(JobSpecError) as e:
+        parse_job(doc)
+    assert field in str(e.value)
+
+
+def test_bad_name_and_missing_file(tmp_path):
+    doc = example()
+    doc["metadata"]["name"] = "Not_A_DNS_Name"
+    with pytest.raises(JobSpecError, match="metadata.name"):
+        parse_job(doc)
+    with pytest.raises(JobSpecError, match="cannot read"):
+        load_job(tmp_path / "missing.yaml")
+    (tmp_path / "broken.yaml").write_text("spec: [")
+    with pytest.raises(JobSpecError, match="not valid YAML"):
+        load_job(tmp_path / "broken.yaml")
