@@ -21,14 +21,15 @@ from collections import defaultdict
 from pathlib import Path
 
 from pat_operator import planner
-from pat_operator.layout import groups, uniform
+from pat_operator.layout import Layout, uniform
 from pat_workers.engine.engine import Request
-from pat_workers.engine.generator import LocalGenerator, RunResult
+from pat_workers.engine.generator import LocalGenerator, RunResult, StepRecord
 from pat_workers.engine.rank import EngineOptions
 from pat_workers.engine.sampling import SamplingParams
 from pat_workers.engine.tiny import PRESETS, make_tiny_model
 
 PROMPT_TOKENS = 16
+REGROUP_FIXED_SECONDS = 0.02  # barrier + commit + bookkeeping of a regroup on local ranks, beyond moving KV
 
 
 def lognormal_lengths(n: int, cap: int, seed: int, mean_fraction: float = 0.4, sigma: float = 0.8) -> list[int]:
@@ -54,6 +55,41 @@ def tail_seconds(result: RunResult, total: int) -> float:
     return 0.0
 
 
+class Planned:
+    """The planner as the pod's coordinator runs it during one batch: a Controller asked after every step, the
+    profile refined from the decode steps it sees.
+
+    The generator reports counts per group, not each request's progress: every request of the batch is submitted
+    at once and a group adds one token per request per step, so a request's generated tokens are taken to be
+    the steps its group's first rank has run in this batch.
+    """
+
+    def __init__(self, gen: LocalGenerator, profile: planner.Profile, predictor: planner.LengthPredictor,
+                 costs: planner.RegroupCosts, margin: float, tail: float = math.inf):
+        self.profile, self.predictor, self.costs = profile, predictor, costs
+        self.controller = planner.Controller(gen.tp_sizes, margin)
+        self.steps = [0] * gen.world  # decode steps each rank has run in this batch
+        self.tail = tail  # act only once at most this many requests are left
+
+    def on_step(self, step: StepRecord) -> None:
+        if step.batch:
+            for rank in step.group:
+                self.steps[rank] += 1
+            self.controller.step()  # a step of any group counts toward the cooldown
+        if step.batch and not step.prefill_tokens:
+            self.profile.observe(len(step.group), step.batch, step.seconds)
+
+    def __call__(self, g: LocalGenerator) -> Layout | None:
+        loads = g.loads()
+        if sum(loads.values()) > self.tail:
+            return None
+        running = {grp: [(PROMPT_TOKENS + self.steps[grp[0]], self.steps[grp[0]])] * n for grp, n in loads.items()}
+        decision = self.controller.decide(g.layout, running, self.profile, self.predictor, self.costs)
+        if decision.layout:
+            self.controller.regrouped()  # run() applies it before the next step
+        return decision.layout
+
+
 def mismatched_tokens(a: RunResult, b: RunResult) -> int:
     count = 0
     for rid, ca in a.completions.items():
@@ -72,7 +108,8 @@ def main() -> int:
     ap.add_argument("--preset", default="bench", choices=sorted(PRESETS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2, help="runs of each layout, in alternating order")
-    ap.add_argument("--min-gain", type=float, default=0.1, help="planner: required predicted step-time gain")
+    ap.add_argument("--min-gain", type=float, default=0.1,
+                    help="planner margin: required predicted gain, a fraction of the remaining generation time")
     ap.add_argument("--model-dir", type=Path, help="default: a cached random model of --preset")
     args = ap.parse_args()
     if args.quick:
@@ -98,23 +135,30 @@ def main() -> int:
               f"{gen.costs.link_bytes_per_s / 1e9:.2f} GB/s", flush=True)
         dp, tp = uniform(args.world), uniform(args.world, args.world)
 
-        def adaptive(g: LocalGenerator):
-            return planner.plan(g.layout, g.loads(), g.costs.decode, g.tp_sizes, args.min_gain)
-
+        profile = planner.Profile(gen.costs.decode)  # refined online by every planned run
+        # The batch's own lengths stand in for earlier iterations' (RLHF length distributions drift slowly).
+        predictor = planner.LengthPredictor(max(lengths))
+        predictor.observe(lengths)
+        element_size = 2 if gen.options.dtype in ("bfloat16", "float16") else 4
+        costs = planner.RegroupCosts(REGROUP_FIXED_SECONDS,
+                                     gen.config.kv_bytes_per_token(element_size) / gen.costs.link_bytes_per_s,
+                                     gen.costs.prefill)
         # At the batch boundary the planner also picks the layout the batch starts in, from its size.
-        even = {grp: len(lengths) // args.world for grp in groups(dp)}
-        first = planner.plan(dp, even, gen.costs.decode, gen.tp_sizes, args.min_gain) or dp
+        first = planner.Controller(gen.tp_sizes, args.min_gain).start_batch(
+            args.world, [PROMPT_TOKENS] * len(lengths), profile, predictor, costs).layout or dp
         print(f"planner: the batch starts at layout {first}", flush=True)
-        def tail_only(g: LocalGenerator):  # PAT's trigger alone: act once at most a quarter of the batch is left
-            return adaptive(g) if sum(g.loads().values()) * 4 <= len(lengths) else None
 
-        configs = [("fixed DP", dp, None), ("fixed TP", tp, None), ("adaptive", first, adaptive),
-                   ("tail-only", dp, tail_only)]
+        # (name, starting layout, plan once at most this many requests are left; None: never). Tail-only is
+        # PAT's trigger alone: act once at most a quarter of the batch is left.
+        configs = [("fixed DP", dp, None), ("fixed TP", tp, None), ("adaptive", first, math.inf),
+                   ("tail-only", dp, len(lengths) / 4)]
         runs: dict[str, list[RunResult]] = defaultdict(list)
         for repeat in range(args.repeats):  # alternate the order, so that drift over time favours no one
-            for name, start, policy in configs if repeat % 2 == 0 else configs[::-1]:
+            for name, start, tail in configs if repeat % 2 == 0 else configs[::-1]:
                 gen.regroup(start)  # at the batch boundary: no requests, nothing to move
-                runs[name].append(gen.run(requests(lengths, args.seed), policy=policy))
+                policy = Planned(gen, profile, predictor, costs, args.min_gain, tail) if tail is not None else None
+                runs[name].append(gen.run(requests(lengths, args.seed), policy=policy,
+                                          on_step=policy.on_step if policy else None))
                 print(f"  {name:9s} {runs[name][-1].seconds:7.2f} s", flush=True)
     # Per layout, the repeat with the median generation time (all of them when there is one).
     results = {name: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for name, rs in runs.items()}

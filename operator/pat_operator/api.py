@@ -89,7 +89,7 @@ class Algorithm(_Model):
     prompts_per_iteration: int = Field(16, ge=1)
     samples_per_prompt: int = Field(8, ge=2, description="G: responses per prompt (advantages are per group)")
     max_response_tokens: int = Field(64, ge=1)
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=0, description="0 is greedy (every sample of a prompt is the same)")
     top_p: float = Field(1.0, gt=0, le=1)
     learning_rate: float = Field(1e-3, gt=0)
     clip_ratio: float = Field(0.2, gt=0)
@@ -128,6 +128,8 @@ class AdaptiveTP(_Model):
     margin: float = Field(0.1, ge=0, description="regroup only when the predicted gain exceeds the cost by this")
     cooldown_steps: int = Field(4, ge=0, description="decode steps after a regroup before the next one")
     migration: Literal["auto", "kv", "recompute"] = "auto"
+    profile: str | None = Field(None, description="an offline T(tp, batch) profile (JSON); default: measured "
+                                                  "by each pod at start")
 
 
 class Checkpoint(_Model):

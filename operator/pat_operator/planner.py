@@ -1,71 +1,369 @@
-"""When to regroup, and into which layout: a pure function of the groups' loads and a step-latency profile.
+"""When a generator pod should regroup its ranks into other TP groups, and into which layout (PAT's planner).
 
-The profile T(tp, batch) is what the engine measured at start. Within a rollout batch the planner only merges
-(a split would move requests away from the ranks that hold their caches for no gain in the tail); the pod
-returns to TP=1 at the batch boundary. This is the step-time part of PAT's predictor; the length predictor,
-regroup-cost amortisation and cooldown come with the runtime planner.
+The model. A response still running after g generated tokens is still running k steps later with probability
+survival(g, k) (LengthPredictor: the lengths of earlier batches). A TP group of size t expects
+n(k) = sum of its requests' survivals at its k-th next decode step, which takes T(t, n(k)) seconds (Profile), so
+its remaining time is sum_k T(t, n(k)); the pod is done when its slowest group is. A regroup costs a fixed
+barrier plus resharding the requests it touches (RegroupCosts). plan() regroups when the predicted gain beats
+that cost by a margin; Controller adds a cooldown around it.
+
+During a rollout batch only merges are candidates: a split would move requests away from the ranks that hold
+their caches, for no gain in a shrinking tail. At a batch boundary nothing is cached, so every valid layout is.
+Pure Python: the pod's coordinator calls plan() between decode steps, and the operator imports it too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from itertools import product
+import math
+from bisect import bisect_left
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from itertools import accumulate, product
+from operator import mul
 
-from .layout import Group, Layout, groups
+from .layout import Group, Layout, groups, uniform, validate
 
-Profile = Mapping[int, Mapping[int, float]]  # tp -> batch -> seconds per decode step
+Request = tuple[int, int]  # (context_tokens, generated_tokens) of one unfinished request
 
 
-def step_seconds(profile: Profile, tp: int, batch: int) -> float:
-    """T(tp, batch), interpolated linearly between measured batch sizes (0 at batch 0, extrapolated above)."""
-    if batch <= 0:
-        return 0.0
-    points = sorted(profile[tp].items())
-    if batch <= points[0][0]:
-        return points[0][1] * batch / points[0][0]
-    for (b0, t0), (b1, t1) in zip(points, points[1:]):
-        if batch <= b1:
-            return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
-    if len(points) == 1:
-        return points[0][1] * batch / points[0][0]
-    (b0, t0), (b1, t1) = points[-2], points[-1]
-    return t1 + (t1 - t0) / (b1 - b0) * (batch - b1)
+class LengthPredictor:
+    """Empirical survival of response lengths (generated tokens) from earlier batches; a prior before any.
+
+    P(L > x) is estimated from the last `window` observed lengths plus one pseudo-response whose length is
+    uniform in 1..max_tokens. Before the first observe() the `prior` lengths stand in for the observations;
+    with none, the pseudo-response alone makes the prior uniform over 1..max_tokens. Afterwards it only matters
+    for a response that outlived every observation: that one is expected to end uniformly before max_tokens
+    rather than at once.
+    """
+
+    def __init__(self, max_tokens: int, prior: Sequence[int] = (), window: int = 4096):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens}: use the response length cap, 1 or more")
+        if window < 1:
+            raise ValueError(f"window={window}: use 1 or more (how many recent lengths to keep)")
+        self.max_tokens = max_tokens
+        self._window: deque[int] = deque(maxlen=window)
+        self._fit(self._clamped(prior))
+
+    def observe(self, lengths: Iterable[int]) -> None:
+        """Lengths of a batch's finished responses (those cut at max_tokens count as max_tokens); none: no change."""
+        lengths = self._clamped(lengths)
+        if lengths:
+            self._window.extend(lengths)
+            self._fit(self._window)
+
+    def survival(self, generated: int, k: int) -> float:
+        """P(a response still running after `generated` tokens is still running after k more)."""
+        if k < 0:
+            raise ValueError(f"k={k}: use 0 or more (steps ahead)")
+        g = self._index(generated)
+        return self._above[min(g + k, self.max_tokens)] / self._above[g] if self._above[g] else 0.0
+
+    def expected_remaining(self, generated: int) -> float:
+        """E[remaining tokens | still running after `generated`]; 0 at max_tokens."""
+        return self.running_sums({generated: 1}, self.max_tokens + 1, 1)[0]
+
+    def running_sums(self, load: Mapping[int, int], width: int, segments: int) -> list[float]:
+        """For requests still running (load: generated tokens -> how many), per segment of `width` decode steps
+        from now (`segments` of them): the expected number of them running, summed over the segment's steps."""
+        rows, weights = [], []
+        for generated, count in load.items():
+            g = self._index(generated)
+            if self._above[g]:  # at max_tokens nothing can still run
+                row = self._summed_above[g:g + width * segments + 1:width]
+                rows.append(row + [self._summed_above[-1]] * (segments + 1 - len(row)))  # none run past the cap
+                weights.append(count / self._above[g])
+        # Column-wise in C (map, sum): a pod of 512 requests with distinct lengths so far stays within a few ms.
+        summed = [sum(map(mul, weights, column)) for column in zip(*rows)] or [0.0] * (segments + 1)
+        return [hi - lo for lo, hi in zip(summed, summed[1:])]
+
+    def _index(self, generated: int) -> int:
+        if generated < 0:
+            raise ValueError(f"generated={generated}: use 0 or more (tokens generated so far)")
+        return min(generated, self.max_tokens)
+
+    def _clamped(self, lengths: Iterable[int]) -> list[int]:
+        lengths = [int(n) for n in lengths]
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"lengths: {min(lengths)} is negative; a response length is 0 or more tokens")
+        return [min(n, self.max_tokens) for n in lengths]
+
+    def _fit(self, lengths: Iterable[int]) -> None:
+        m = self.max_tokens
+        ended_at = [0] * (m + 1)
+        for n in lengths:
+            ended_at[n] += 1
+        # x -> max_tokens * P(L > x) * (observations + 1), in integers so that the sums below are exact:
+        # max_tokens per observation longer than x, plus the uniform pseudo-response's max_tokens - x.
+        self._above = [0] * (m + 1)
+        longer = 0
+        for x in range(m, -1, -1):
+            self._above[x] = m * longer + m - x
+            longer += ended_at[x]
+        # x -> sum of _above[y] for y < x; floats (exact below 2**53) multiply faster than large ints
+        self._summed_above = [float(a) for a in accumulate(self._above, initial=0)]
+
+
+class Profile:
+    """T(tp, batch): seconds per decode step of a TP group, measured at start and refined online."""
+
+    REFINE_WEIGHT = 0.1  # one observation moves a point by this fraction of its relative error ...
+    REFINE_MAX_RATIO = 2.0  # ... an error counted as at most 2x (or 1/2x): one outlier moves it <= 10%
+
+    def __init__(self, measured: Mapping[int, Mapping[int, float]]):
+        if not measured:
+            raise ValueError("profile: no TP size measured; give tp -> batch -> seconds for at least one TP")
+        self._batches: dict[int, list[int]] = {}
+        self._seconds: dict[int, list[float]] = {}
+        self._pieces: dict[int, list[tuple[float, float]]] = {}  # tp -> per batch interval: (intercept, slope)
+        for tp, row in measured.items():
+            points = sorted((int(b), float(s)) for b, s in row.items())
+            if not points or points[0][0] < 1 or any(s <= 0 for _, s in points):
+                raise ValueError(f"profile: TP={tp} has {dict(row)}; measure batch sizes >= 1, each with "
+                                 f"seconds > 0")
+            self._batches[int(tp)] = [b for b, _ in points]
+            self._seconds[int(tp)] = [s for _, s in points]
+            self._fit(int(tp))
+
+    @property
+    def tp_sizes(self) -> list[int]:
+        return sorted(self._batches)
+
+    def step_seconds(self, tp: int, batch: float) -> float:
+        """Interpolated linearly between measured batch sizes; 0 at batch 0, extrapolated above."""
+        if tp not in self._pieces:
+            raise ValueError(f"profile has no TP={tp}; measured: {self.tp_sizes}. Profile that TP size or "
+                             f"leave it out of tp_sizes")
+        if batch <= 0:
+            return 0.0
+        intercept, slope = self._pieces[tp][bisect_left(self._batches[tp], batch)]
+        return intercept + slope * batch
+
+    def observe(self, tp: int, batch: int, seconds: float) -> None:
+        """A measured decode step: the nearest measured batch size (the smaller on ties) moves toward it by
+        REFINE_WEIGHT of the relative error, an EMA of the ratio observed / predicted."""
+        if batch < 1 or seconds <= 0:
+            raise ValueError(f"observed step TP={tp} batch={batch} seconds={seconds}: a decode step has "
+                             f"batch >= 1 and seconds > 0")
+        ratio = seconds / self.step_seconds(tp, batch)
+        ratio = min(max(ratio, 1 / self.REFINE_MAX_RATIO), self.REFINE_MAX_RATIO)
+        bs = self._batches[tp]
+        nearest = min(range(len(bs)), key=lambda i: (abs(bs[i] - batch), bs[i]))
+        self._seconds[tp][nearest] *= 1 + self.REFINE_WEIGHT * (ratio - 1)
+        self._fit(tp)
+
+    def _fit(self, tp: int) -> None:
+        """The line through each interval between measured points, so that step_seconds is one bisect away: from
+        the origin to the first point, then point to point, then beyond the last along the last segment (never
+        sloping down: a noisy last segment may)."""
+        bs, ts = self._batches[tp], self._seconds[tp]
+        slopes = [ts[0] / bs[0]] + [(t1 - t0) / (b1 - b0) for b0, b1, t0, t1 in zip(bs, bs[1:], ts, ts[1:])]
+        slopes.append(max(slopes[-1], 0.0))
+        self._pieces[tp] = [(0.0, slopes[0])] + [(t - slope * b, slope) for b, t, slope in zip(bs, ts, slopes[1:])]
+
+    def to_json(self) -> dict[str, dict[str, float]]:
+        return {str(tp): {str(b): s for b, s in zip(self._batches[tp], self._seconds[tp])} for tp in self.tp_sizes}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Mapping[str, float]]) -> Profile:
+        try:
+            measured = {int(tp): {int(b): float(s) for b, s in row.items()} for tp, row in d.items()}
+        except (AttributeError, TypeError, ValueError) as e:
+            raise ValueError(f"profile JSON: expected {{tp: {{batch: seconds}}}} with integer keys ({e})") from None
+        return cls(measured)
+
+
+@dataclass(frozen=True)
+class RegroupCosts:
+    fixed_seconds: float  # barrier + commit + bookkeeping of one regroup
+    kv_seconds_per_token: float  # moving one context token's KV (all layers) to its new group
+    prefill: Mapping[int, tuple[float, float]]  # tp -> (a, b): re-prefilling L context tokens costs a + b * L
+
+    def __post_init__(self):
+        for name in ("fixed_seconds", "kv_seconds_per_token"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"regroup costs: {name}={getattr(self, name)} is negative; use seconds >= 0")
+
+    def request_seconds(self, tp: int, context_tokens: int) -> float:
+        """Moving one request into a group of size tp: the cheaper of moving its KV and re-prefilling it, as the
+        engine picks per request (a TP size without a prefill measurement can only move KV)."""
+        a, b = self.prefill.get(tp, (math.inf, 0.0))
+        return min(self.kv_seconds_per_token * context_tokens, a + b * context_tokens)
+
+
+@dataclass(frozen=True)
+class Decision:
+    layout: Layout | None  # None: stay
+    stay_seconds: float  # predicted remaining generation time of the pod if it stays (0 when not planned)
+    best_seconds: float  # ... with the best candidate, excluding the regroup cost
+    cost_seconds: float  # predicted regroup cost of that candidate
+    reason: str  # one human-readable line
 
 
 def coarsenings(layout: Sequence[int], tp_sizes: Sequence[int]) -> list[Layout]:
-    """Every layout whose groups are unions of the current groups (the current one included)."""
-    current = set(groups(layout))
-    world = sum(layout)
+    """Every layout whose groups are unions of the current groups, of sizes in tp_sizes (the current one
+    included, whatever its sizes)."""
+    return _layouts(sum(layout), tp_sizes, keep=set(groups(layout)))
+
+
+def plan(layout: Sequence[int], running: Mapping[Group, Sequence[Request]], profile: Profile,
+         predictor: LengthPredictor, costs: RegroupCosts, tp_sizes: Sequence[int], margin: float = 0.1,
+         at_boundary: bool = False, segments: int = 256) -> Decision:
+    """The layout to regroup into, if its predicted gain beats its cost by `margin` (a fraction of the time
+    left); Decision.layout None to stay.
+
+    running: per current group, one (context_tokens, generated_tokens) pair per unfinished request, waiting
+    ones included with generated 0; context_tokens are those whose KV the request holds (0 while waiting).
+    During a batch the candidates are merges and each pays for resharding its requests. at_boundary: a new
+    batch is about to be submitted, nothing is cached (generated 0); every valid layout is a candidate, the
+    current one included, with all the requests spread over its groups as the pod submits them (whatever
+    group they are keyed by), and a change costs fixed_seconds only. The horizon of future decode steps is cut
+    into at most `segments` segments, each costed at its mean expected batch (exact with one step each).
+    """
+    layout = validate(layout, sum(layout))
+    current = groups(layout)
+    if set(running) - set(current):
+        raise ValueError(f"running: group(s) {sorted(set(running) - set(current))} are not groups of layout "
+                         f"{layout}; key the requests by the current groups {current}")
+    if margin < 0 or segments < 1:
+        raise ValueError(f"margin={margin}, segments={segments}: use a margin >= 0 (a fraction of the time left) "
+                         f"and segments >= 1")
+    placed = {g: list(running.get(g, ())) for g in current}
+    everyone = [r for g in current for r in placed[g]]
+    if not everyone:
+        return Decision(None, 0.0, 0.0, 0.0, "stay: nothing running")
+    if at_boundary and any(generated for _, generated in everyone):
+        raise ValueError("running: at a batch boundary every request is new; give generated_tokens 0 (or plan "
+                         "with at_boundary=False during a batch)")
+
+    # Future decode steps in at most `segments` segments of equal width (the last may run past max_tokens,
+    # where nothing runs), each costed at its mean expected batch.
+    steps = predictor.max_tokens - min(min(generated for _, generated in everyone), predictor.max_tokens)
+    width = max(1, -(-steps // segments))
+    used = -(-steps // width)
+
+    @cache  # per group load (generated -> requests); a load recurs across candidates
+    def expected_running(load: frozenset[tuple[int, int]]) -> tuple[float, ...]:  # per segment: sum of n(k)
+        return tuple(predictor.running_sums(dict(load), width, used))
+
+    @cache
+    def group_seconds(tp: int, runs: tuple[float, ...]) -> float:
+        return width * sum(profile.step_seconds(tp, n / width) for n in runs)
+
+    def load(requests: Sequence[Request]) -> frozenset[tuple[int, int]]:
+        return frozenset(Counter(generated for _, generated in requests).items())
+
+    allowed = [t for t in tp_sizes if t in profile.tp_sizes]
+    if at_boundary:
+        options = [layout] + [o for o in _layouts(sum(layout), allowed, keep=set()) if o != layout]
+        loads = {o: {g: expected_running(load(requests)) for g, requests in _spread(everyone, groups(o)).items()}
+                 for o in options}
+    else:
+        merges = coarsenings(layout, allowed)
+        members = {g: [h for h in current if set(h) <= set(g)] for o in merges for g in groups(o)}
+        parts = {h: expected_running(load(placed[h])) for h in current}
+        merged = {g: tuple(map(sum, zip(*(parts[h] for h in hs)))) for g, hs in members.items()}  # n(k) adds up
+        loads = {o: {g: merged[g] for g in groups(o)} for o in merges}
+        # Every request a merged group takes in reshards into it; the regions of a merge regroup concurrently.
+        reshard = {g: costs.fixed_seconds + sum(costs.request_seconds(len(g), context)
+                                                for h in hs for context, _ in placed[h])
+                   for g, hs in members.items() if g not in current}
+
+    def pod_seconds(option: Layout) -> float:  # the pod is done when its slowest group is
+        return max(group_seconds(len(g), runs) for g, runs in loads[option].items())
+
+    def regroup_seconds(option: Layout) -> float:
+        if at_boundary:
+            return costs.fixed_seconds
+        return max(reshard[g] for g in groups(option) if g in reshard)
+
+    stay = pod_seconds(layout)
+    others = [option for option in loads if option != layout]
+    if not others:
+        return Decision(None, stay, stay, 0.0, f"stay: no {'other layout' if at_boundary else 'merge'} of {layout} "
+                                               f"is allowed (TP sizes {allowed})")
+    scored = {option: (pod_seconds(option), regroup_seconds(option)) for option in others}
+    best = min(others, key=lambda o: (sum(scored[o]), -len(o), _changed_ranks(layout, o)))  # ties: small
+    best_seconds, cost = scored[best]
+    change = f"{layout}->{best}: {stay:.3g} s -> {best_seconds:.3g} s + {cost:.3g} s regroup"
+    if stay - (best_seconds + cost) > margin * stay:
+        return Decision(best, stay, best_seconds, cost, f"{'regroup' if at_boundary else 'merge'} {change}")
+    if stay - best_seconds > margin * stay:
+        return Decision(None, stay, best_seconds, cost, f"stay: the regroup cost eats the gain ({change})")
+    return Decision(None, stay, best_seconds, cost, f"stay: the gain is under the {margin:.0%} margin ({change})")
+
+
+class Controller:
+    """Hysteresis around plan(): a cooldown after each regroup, and no planning while one is in flight (from a
+    decide() that proposed it until regrouped())."""
+
+    def __init__(self, tp_sizes: Sequence[int], margin: float = 0.1, cooldown_steps: int = 4):
+        if cooldown_steps < 0:
+            raise ValueError(f"cooldown_steps={cooldown_steps}: use 0 or more decode steps")
+        self.tp_sizes, self.margin, self.cooldown_steps = list(tp_sizes), margin, cooldown_steps
+        self._cooldown = 0  # decode steps to wait before planning again
+        self._in_flight = False
+
+    def step(self) -> None:
+        """One decode step happened."""
+        self._cooldown = max(self._cooldown - 1, 0)
+
+    def decide(self, layout: Sequence[int], running: Mapping[Group, Sequence[Request]], profile: Profile,
+               predictor: LengthPredictor, costs: RegroupCosts) -> Decision:
+        """plan() during a batch, unless a regroup is in flight or cooling down. Call regrouped() once a
+        proposed layout has been applied (or has failed)."""
+        if self._in_flight:
+            return Decision(None, 0.0, 0.0, 0.0, "in flight: the proposed regroup is not applied yet")
+        if self._cooldown:
+            return Decision(None, 0.0, 0.0, 0.0, f"cooldown: {self._cooldown} more decode step(s) after the "
+                                                 f"last regroup")
+        decision = plan(layout, running, profile, predictor, costs, self.tp_sizes, self.margin)
+        self._in_flight = decision.layout is not None
+        return decision
+
+    def regrouped(self) -> None:
+        """A regroup was applied: start the cooldown."""
+        self._in_flight, self._cooldown = False, self.cooldown_steps
+
+    def start_batch(self, world: int, prompts: Sequence[int], profile: Profile, predictor: LengthPredictor,
+                    costs: RegroupCosts, layout: Sequence[int] | None = None) -> Decision:
+        """At a batch boundary: the layout the new batch should start in (None: keep `layout`, by default
+        all TP=1), for prompts of these lengths spread over the groups as the pod submits them. Resets the
+        cooldown; the caller applies the layout before submitting, no regrouped() needed."""
+        self._in_flight, self._cooldown = False, 0
+        layout = tuple(layout) if layout is not None else uniform(world)
+        running = _spread([(prompt, 0) for prompt in prompts], groups(layout))
+        return plan(layout, running, profile, predictor, costs, self.tp_sizes, self.margin, at_boundary=True)
+
+
+def _layouts(world: int, tp_sizes: Sequence[int], keep: set[Group]) -> list[Layout]:
+    """Every valid layout of `world` ranks with group sizes in tp_sizes, keeping the groups in `keep` whole."""
 
     def block(start: int, size: int) -> list[Layout]:
-        if tuple(range(start, start + size)) in current:
+        if tuple(range(start, start + size)) in keep:
             return [(size,)]
         half = size // 2
-        options = [a + b for a, b in product(block(start, half), block(start + half, half))]
+        options = [a + b for a, b in product(block(start, half), block(start + half, half))] if size > 1 else []
         return options + [(size,)] if size in tp_sizes else options
 
     top = world & -world  # the largest power of two dividing the world: no group spans two such blocks
     return [sum(choice, ()) for choice in product(*(block(s, top) for s in range(0, world, top)))]
 
 
-def predicted_step(layout: Sequence[int], loads: Mapping[Group, int], profile: Profile) -> float:
-    """The slowest group's step time: the pod's generation ends with its slowest replica."""
-    worst = 0.0
-    for g in groups(layout):
-        batch = sum(n for h, n in loads.items() if set(h) <= set(g))
-        worst = max(worst, step_seconds(profile, len(g), batch))
-    return worst
+def _spread(requests: Sequence[Request], to: Sequence[Group]) -> dict[Group, list[Request]]:
+    """Requests over groups as the pod submits them: each to the group with the fewest per rank (first on ties)."""
+    world = sum(len(g) for g in to)
+    # That greedy's i-th pick is the i-th smallest (requests per rank before it, group) slot, and no group
+    # gets more than n * size / world + 1 requests: sorting those slots replays it in O(n log n).
+    slots = sorted((j / len(g), i) for i, g in enumerate(to) for j in range(len(requests) * len(g) // world + 1))
+    placed: dict[Group, list[Request]] = {g: [] for g in to}
+    for r, (_, i) in zip(requests, slots):
+        placed[to[i]].append(r)
+    return placed
 
 
-def plan(layout: Sequence[int], loads: Mapping[Group, int], profile: Profile, tp_sizes: Sequence[int],
-         min_gain: float = 0.1) -> Layout | None:
-    """The merge that minimises the predicted step time, if it beats the current one by `min_gain` (a
-    fraction); None to stay. `loads` are the unfinished requests of the current groups."""
-    if sum(loads.values()) == 0:
-        return None
-    current = predicted_step(layout, loads, profile)
-    best = min(coarsenings(layout, [t for t in tp_sizes if t in profile]),
-               key=lambda c: (predicted_step(c, loads, profile), -len(c)))  # ties: smaller groups
-    if predicted_step(best, loads, profile) < current * (1 - min_gain):
-        return best
-    return None
+def _changed_ranks(old: Layout, new: Layout) -> int:
+    kept = set(groups(old)) & set(groups(new))
+    return sum(len(g) for g in groups(new) if g not in kept)
