@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .comm import Communicator
+from .comm import Communicator, SoloCommunicator
 from .config import ModelConfig
+from .kv import KVCache
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -134,9 +135,10 @@ class Transformer:
 
     def forward(self, shard: Shard, comm: Communicator, tokens: torch.Tensor, start: torch.Tensor,
                 k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], length: int | None = None,
-                last: torch.Tensor | None = None) -> torch.Tensor:
+                last: torch.Tensor | None = None, all_positions: bool = False) -> torch.Tensor:
         """Runs tokens [B, T] whose first position is start [B]; returns logits [B, vocab] at index `last` [B]
-        of each row (default T-1: rows of a batched prefill are right-padded to T).
+        of each row (default T-1: rows of a batched prefill are right-padded to T), or [B, T, vocab] at every
+        position with `all_positions`.
 
         k_cache/v_cache[layer] are [B, local KV heads, max_seq, head_dim] views of the rows these sequences
         own; positions start..start+T-1 are written, 0..start+T-1 attended (causally). `length` fixes how many
@@ -169,11 +171,23 @@ class Transformer:
             mlp = F.linear(F.silu(F.linear(h, layer.w_gate, layer.b_gate)) * F.linear(h, layer.w_up, layer.b_up),
                            layer.w_down)
             x = x + self._reduced(comm, mlp, layer.b_down)
-        x = x[:, -1] if last is None else x[rows[:, 0], last]
+        if not all_positions:
+            x = x[:, -1] if last is None else x[rows[:, 0], last]
         logits = F.linear(self.rms_norm(x, self.w["model.norm.weight"]), shard.lm_head)
         if shard.lm_head_sharded and comm.size > 1:
             logits = torch.cat(comm.all_gather(logits.contiguous()), dim=-1)
         return logits
+
+    def causal_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, vocab] at every position of rows [B, T] run from position 0 at TP=1 (right padding
+        cannot reach earlier positions). No cache outlives the call, and the shard's views are built here, so
+        the result is differentiable in whatever tensors `weights` holds (the trainer's parameters)."""
+        b, t = tokens.shape
+        cache = KVCache.allocate(self.cfg, slots=b, kv_heads=self.cfg.num_kv_heads, max_seq=t, dtype=self.dtype,
+                                 device=tokens.device)
+        start = torch.zeros(b, dtype=torch.long, device=tokens.device)
+        return self.forward(self.shard(1, 0), SoloCommunicator(0), tokens, start, cache.k, cache.v,
+                            all_positions=True)
 
     @staticmethod
     def _reduced(comm: Communicator, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -3,7 +3,8 @@
 No model hub is reachable here, so tests, benchmarks and the demo build their models with this and load
 them back through the real loader. The weights are scaled so that each layer keeps its activations at unit
 scale and the logits are peaked (std ~4): greedy decoding then rarely meets a near-tie, which makes
-token-for-token comparisons between parallel layouts meaningful.
+token-for-token comparisons between parallel layouts meaningful. The `demo` preset instead starts near-uniform
+(logit std ~0.1), so that RL can explore every token.
 """
 
 from __future__ import annotations
@@ -20,10 +21,17 @@ from .loader import save_weights
 
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")
 
+# The logit scale of the random weights: the std of the logits at initialisation (lm_head's gain).
+PEAKED_LM_HEAD_GAIN = 4.0
+
+# config.json dimensions, plus lm_head_gain where a preset wants another logit scale (not a config.json field).
 PRESETS: dict[str, dict[str, Any]] = {
     # For tests: fast, 4 KV heads so that TP 1/2/4 all apply.
     "test": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=4, vocab_size=320),
+    # For the local RLHF demo on a 2-core CPU (synthetic arithmetic): small, and near-uniform at the start.
+    "demo": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=320, lm_head_gain=0.1),
     # For the CPU benchmark: compute per step outweighs a shared-memory all-reduce (~10 us).
     "bench": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                   num_key_value_heads=4, vocab_size=2048),
@@ -39,9 +47,18 @@ def byte_level_tokenizer(vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - len(alphabet) - len(SPECIAL_TOKENS))]
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS) + reserved)
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    pad_vocab(tokenizer, vocab_size)
     return tokenizer
+
+
+def pad_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """Adds reserved special tokens until the tokenizer has `vocab_size` ids, one per row of the embedding, so
+    that every id the model can sample decodes (to nothing, as a special token)."""
+    size = tokenizer.get_vocab_size()
+    if size > vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {size} tokens; raise vocab_size")
+    tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - size)])
 
 
 def hf_config(family: str, **dims: Any) -> dict[str, Any]:
@@ -65,7 +82,8 @@ def hf_config(family: str, **dims: Any) -> dict[str, Any]:
 
 
 def random_weights(cfg: dict[str, Any], seed: int, device: str | torch.device = "cpu",
-                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                   dtype: torch.dtype = torch.float32,
+                   lm_head_gain: float = PEAKED_LM_HEAD_GAIN) -> dict[str, torch.Tensor]:
     g = torch.Generator(device).manual_seed(seed)
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -98,17 +116,35 @@ def random_weights(cfg: dict[str, Any], seed: int, device: str | torch.device = 
         if cfg["model_type"] == "qwen3":
             w[p + "self_attn.q_norm.weight"] = norm(d)
             w[p + "self_attn.k_norm.weight"] = norm(d)
-    w["lm_head.weight"] = linear(vocab, h, gain=4.0)
+    w["lm_head.weight"] = linear(vocab, h, gain=lm_head_gain)
     return w
 
 
 def make_tiny_model(path: str | Path, *, family: str = "llama", preset: str = "test", seed: int = 0,
-                    shards: int = 1, **overrides: Any) -> Path:
-    """Writes config.json, safetensors weights and tokenizer.json of a random model into `path`."""
+                    shards: int = 1, tokenizer: Tokenizer | None = None, **overrides: Any) -> Path:
+    """Writes config.json, safetensors weights and tokenizer.json of a random model into `path`.
+
+    `tokenizer` (e.g. one trained on the dataset) replaces the byte-level one; it must hold SPECIAL_TOKENS. The
+    vocabulary is then its size rounded up to a multiple of 8 (reserved tokens fill the rest). Either way
+    config.json's bos/eos ids are the tokenizer's.
+    """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = hf_config(family, **{**PRESETS[preset], **overrides})
+    dims = {**PRESETS[preset], **overrides}
+    lm_head_gain = dims.pop("lm_head_gain", PEAKED_LM_HEAD_GAIN)
+    if tokenizer is None:
+        tokenizer = byte_level_tokenizer(dims["vocab_size"])
+    else:
+        if "vocab_size" in overrides:
+            raise ValueError("vocab_size comes from the tokenizer; pass either vocab_size or tokenizer")
+        tokenizer = Tokenizer.from_str(tokenizer.to_str())  # a copy: padding must not change the caller's
+        pad_vocab(tokenizer, -(-tokenizer.get_vocab_size() // 8) * 8)
+        dims["vocab_size"] = tokenizer.get_vocab_size()
+    bos, eos = (tokenizer.token_to_id(name) for name in SPECIAL_TOKENS[:2])
+    if bos is None or eos is None:
+        raise ValueError(f"the tokenizer lacks {SPECIAL_TOKENS[:2]}; train it with these special tokens")
+    cfg = hf_config(family, bos_token_id=bos, eos_token_id=eos, **dims)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_weights(path, random_weights(cfg, seed), shards=shards)
-    byte_level_tokenizer(cfg["vocab_size"]).save(str(path / "tokenizer.json"))
+    save_weights(path, random_weights(cfg, seed, lm_head_gain=lm_head_gain), shards=shards)
+    tokenizer.save(str(path / "tokenizer.json"))
     return path

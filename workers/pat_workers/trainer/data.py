@@ -1,0 +1,170 @@
+"""Problems (prompt, reference answer) from a JSONL/Parquet file or generated, the prompt sampler, and a BPE
+tokenizer trained on the dataset's text."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pat_operator.api import Dataset, SyntheticDataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ..engine.tiny import SPECIAL_TOKENS
+
+SUFFIX_FORMATS = {".jsonl": "jsonl", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+def load_problems(spec: Dataset, base_dir: str | Path | None = None) -> list[Problem]:
+    """The problems of dataset.path (resolved against `base_dir` when relative) or dataset.synthetic, each
+    prompt passed through dataset.promptTemplate."""
+    problems = synthetic_arithmetic(spec.synthetic) if spec.synthetic is not None else _read_file(spec, base_dir)
+    # str.replace, not str.format: templates of math prompts are full of LaTeX braces.
+    return [Problem(spec.prompt_template.replace("{prompt}", p.prompt), p.answer) for p in problems]
+
+
+def _read_file(spec: Dataset, base_dir: str | Path | None) -> list[Problem]:
+    path = Path(spec.path)
+    if base_dir is not None and not path.is_absolute():
+        path = Path(base_dir) / path
+    if not path.is_file():
+        raise ValueError(f"dataset.path={spec.path!r}: {path} not found")
+    fmt = spec.format if spec.format != "auto" else SUFFIX_FORMATS.get(path.suffix)
+    if fmt is None:
+        raise ValueError(f"dataset.path={spec.path!r}: cannot tell the format from the suffix {path.suffix!r}; "
+                         f"name it *.jsonl or *.parquet, or set dataset.format")
+    records = _jsonl_records(path) if fmt == "jsonl" else _parquet_records(path, spec)
+    problems = [_problem(record, where, spec) for where, record in records]
+    if not problems:
+        raise ValueError(f"dataset.path={spec.path!r}: {path} holds no problems; it needs at least one")
+    return problems
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: a {type(record).__name__}, not a JSON object; each line must be one "
+                                 "object with the prompt and answer fields")
+            yield where, record
+
+
+def _parquet_records(path: Path, spec: Dataset) -> Iterator[tuple[str, dict[str, Any]]]:
+    import pyarrow as pa  # only Parquet datasets need it
+    import pyarrow.parquet as pq
+
+    try:
+        columns = pq.read_schema(path).names
+    except pa.ArrowException as e:
+        raise ValueError(f"dataset.path={spec.path!r}: {path} is not a readable Parquet file ({e})") from None
+    for option, field in (("promptField", spec.prompt_field), ("answerField", spec.answer_field)):
+        if field not in columns:
+            raise ValueError(f"{path}: no column {field!r} (columns: {columns}); set dataset.{option} to the "
+                             "column that holds it")
+    table = pq.read_table(path, columns=[spec.prompt_field, spec.answer_field])
+    for row, record in enumerate(table.to_pylist()):
+        yield f"{path} row {row}", record
+
+
+def _problem(record: dict[str, Any], where: str, spec: Dataset) -> Problem:
+    values = []
+    for option, field in (("promptField", spec.prompt_field), ("answerField", spec.answer_field)):
+        if record.get(field) is None:
+            raise ValueError(f"{where}: field {field!r} is missing or null (fields: {sorted(record)}); set "
+                             f"dataset.{option} to the field that holds it")
+        values.append(str(record[field]))  # numeric answers (JSON numbers) compare as text
+    return Problem(*values)
+
+
+def synthetic_arithmetic(spec: SyntheticDataset) -> list[Problem]:
+    """spec.size additions "a+b=" with answer "a+b" (prompt "3+4=", answer "7"); operands drawn uniformly from
+    0..spec.max_operand by random.Random(spec.seed), so the seed fixes the problems."""
+    rng = random.Random(spec.seed)
+    problems = []
+    for _ in range(spec.size):
+        a, b = rng.randint(0, spec.max_operand), rng.randint(0, spec.max_operand)
+        problems.append(Problem(f"{a}+{b}=", str(a + b)))
+    return problems
+
+
+def write_jsonl(problems: Iterable[Problem], path: str | Path) -> Path:
+    """One JSON object a line under the field names dataset.promptField/answerField default to."""
+    fields = Dataset.model_fields["prompt_field"].default, Dataset.model_fields["answer_field"].default
+    path = Path(path)
+    with path.open("w", encoding="utf-8") as f:
+        for p in problems:
+            f.write(json.dumps(dict(zip(fields, (p.prompt, p.answer)))) + "\n")
+    return path
+
+
+class PromptSampler:
+    """Batches of problem indices. Each epoch is a permutation of range(n_problems) determined by (seed,
+    epoch); a batch runs on into the next epoch. state_dict() is the cursor, so a restart resumes exactly."""
+
+    def __init__(self, n_problems: int, seed: int):
+        if n_problems < 1:
+            raise ValueError(f"n_problems={n_problems}: the sampler needs at least one problem")
+        self.n_problems, self.seed = n_problems, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        order = list(range(self.n_problems))
+        random.Random(f"{self.seed}:{self.epoch}").shuffle(order)  # str seeds hash stably across processes
+        return order
+
+    def next_batch(self, size: int) -> list[int]:
+        batch: list[int] = []
+        while len(batch) < size:
+            taken = self._order[self.position:self.position + size - len(batch)]
+            batch += taken
+            self.position += len(taken)
+            if self.position == self.n_problems:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation()
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n_problems": self.n_problems, "seed": self.seed, "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if (state["n_problems"], state["seed"]) != (self.n_problems, self.seed):
+            raise ValueError(f"the checkpoint's sampler ran over {state['n_problems']} problems with seed "
+                             f"{state['seed']}, this one over {self.n_problems} with seed {self.seed}; resume with "
+                             "the dataset and algorithm.seed of the checkpointed run")
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._permutation()
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str | Path) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on `texts` (the dataset's prompts and answers), saved as
+    path/tokenizer.json. SPECIAL_TOKENS of engine/tiny.py come first (bos 0, eos 1, pad 2); make_tiny_model(
+    tokenizer=...) writes those ids into config.json. The alphabet is the bytes that occur in `texts`: other
+    characters cannot be encoded."""
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size={vocab_size} leaves no room beside {len(SPECIAL_TOKENS)} special tokens")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    return tokenizer
