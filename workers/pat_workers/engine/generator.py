@@ -3,6 +3,10 @@
 This is what the pod's coordinator (HTTP server) wraps; tests and benchmarks use it directly. It owns the
 layout's bookkeeping and the Prometheus metrics, and it makes sure no request is lost: what a failed regroup
 could not carry over is submitted again.
+
+Two ways to drive it: `run` generates a batch and returns when it is done; a caller with more to do between
+steps (the coordinator) calls `submit`, then `poll` (one event at a time) and `take_finished`, which is what
+`run` does. Not thread-safe: one thread drives it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class StepRecord:
     tokens: int
     finished: int
     prefill_tokens: int
+    running: list[tuple[str, int]] = field(default_factory=list)  # (id, tokens generated) still decoding after it
 
 
 @dataclass
@@ -87,9 +92,15 @@ class LocalGenerator:
         self._load: dict[Group, int] = {}
         self._where: dict[str, Group] = {}  # in-flight request id -> group it was sent to
         self._requests: dict[str, Request] = {}
-        self._done: dict[str, Request] = {}
+        self._generated: dict[str, int] = {}  # in-flight request id -> tokens generated, as of its group's last step
+        self._last_step: dict[Group, tuple[int, set[str]]] = {}  # group -> (queued, ids decoding) at its last step
+        self._finished: list[Request] = []  # finished, not yet taken
         self._run: RunResult | None = None
         self._t0 = time.perf_counter()
+        self.policy_version = 0  # the weights the ranks hold: 0 is the model directory's
+        self.weights_pending: int | None = None  # the version the ranks are receiving
+        self.weights_refused: str | None = None  # why the last update was refused (the ranks kept their weights)
+        self._weight_reports: dict[int, str | None] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self, timeout: float = 600.0) -> LocalGenerator:
@@ -133,9 +144,9 @@ class LocalGenerator:
         self.close()
 
     # -- requests ----------------------------------------------------------------------------------------
-    def submit(self, requests: Iterable[Request]) -> None:
-        """Sends each request to the least loaded live replica group."""
-        batches: dict[Group, list[Request]] = {}
+    def check(self, requests: Iterable[Request]) -> None:
+        """Raises ValueError, naming the request and the fix, if `submit` would refuse any of them."""
+        seen: set[str] = set()
         for r in requests:
             if not r.prompt or len(r.prompt) >= self.options.max_seq:
                 raise ValueError(f"request {r.id}: prompt has {len(r.prompt)} tokens; it must have 1 to "
@@ -144,14 +155,34 @@ class LocalGenerator:
             if bad is not None:
                 raise ValueError(f"request {r.id}: prompt token id {bad} is outside the vocabulary "
                                  f"(0..{self.config.vocab_size - 1}); tokenize with the model's tokenizer.json")
-            if r.id in self._where:
-                raise ValueError(f"request {r.id}: an unfinished request has this id; ids must be unique")
+            if r.id in self._where or r.id in seen:
+                raise ValueError(f"request {r.id}: another unfinished request has this id; ids must be unique")
+            seen.add(r.id)
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Sends each request to the least loaded live replica group; refuses all of them if one is invalid."""
+        requests = list(requests)
+        self.check(requests)
+        batches: dict[Group, list[Request]] = {}
+        for r in requests:
             group = min(self._live_groups(), key=lambda g: self._load[g] / len(g))
             self._load[group] += 1
             self._requests[r.id], self._where[r.id] = r, group
+            self._generated[r.id] = len(r.output)
             batches.setdefault(group, []).append(r)
         for group, batch in batches.items():
             self._commands[group[0]].put(("add", batch))
+
+    def poll(self, timeout: float) -> StepRecord | None:
+        """Handles the next event of the ranks: a step's record, or None for another event or when none came
+        within `timeout` seconds. Raises GeneratorError when a rank fails or dies."""
+        event = self._next_event(timeout, required=False)
+        return None if event is None else self._handle(event)
+
+    def take_finished(self) -> list[Request]:
+        """The requests finished since the last call, in the order they finished."""
+        finished, self._finished = self._finished, []
+        return finished
 
     def run(self, requests: Iterable[Request], policy: Callable[[LocalGenerator], Layout | None] | None = None,
             on_step: Callable[[StepRecord], None] | None = None, migration: str | None = None,
@@ -160,33 +191,69 @@ class LocalGenerator:
         step event; a layout other than the current one is applied (with `migration`, default the option's)."""
         self._t0 = time.perf_counter()
         self._run = RunResult({}, 0.0)
-        self._done = {}
         requests = list(requests)
         self.submit(requests)
+        done: dict[str, Request] = {}
         deadline = time.monotonic() + timeout
         while True:
             target = policy(self) if policy else None
             if target is not None and tuple(target) != self.layout:
                 self.regroup(target, migration)
-            if len(self._done) == len(requests):
+            done.update((r.id, r) for r in self.take_finished())
+            if len(done) == len(requests):
                 break
-            while (record := self._handle(self._next_event(deadline - time.monotonic()))) is None:
-                pass
+            while (record := self.poll(deadline - time.monotonic())) is None:
+                if time.monotonic() > deadline:
+                    raise GeneratorError("timed out waiting for the engine ranks")
             if on_step:
                 on_step(record)
-        self._run.completions = {r.id: self._done[r.id] for r in requests}
+        self._run.completions = {r.id: done[r.id] for r in requests}
         self._run.seconds = time.perf_counter() - self._t0
         result, self._run = self._run, None
         return result
 
+    def running_lengths(self) -> dict[Group, list[tuple[int, int]]]:
+        """(context tokens, generated tokens) of each unfinished request, per live group, as the planner takes
+        them: a request not decoding at its group's last step is queued and holds no KV (context 0)."""
+        out: dict[Group, list[tuple[int, int]]] = {g: [] for g in self._live_groups()}
+        for rid, group in self._where.items():
+            if group in out:
+                generated = self._generated[rid]
+                decoding = rid in self._last_step.get(group, (0, ()))[1]
+                out[group].append((len(self._requests[rid].prompt) + generated if decoding else 0, generated))
+        return out
+
+    def occupancy(self) -> dict[Group, tuple[int, int]]:
+        """(running, waiting) requests per live group, as of each group's last step."""
+        out = {}
+        for g, n in self.loads().items():
+            waiting = min(self._last_step.get(g, (0, ()))[0], n)
+            out[g] = (n - waiting, waiting)
+        return out
+
+    # -- weights -----------------------------------------------------------------------------------------
+    def update_weights(self, version: int, address: str, world: int, rank_offset: int, backend: str = "gloo") -> None:
+        """Sends every rank into the weight broadcast of `version` (see weightsync) and returns; `poll` sets
+        `policy_version` once every live rank holds the new weights (or `weights_refused` if a rank refused)."""
+        if self._where:
+            raise ValueError(f"{len(self._where)} request(s) are generating; update the weights between batches")
+        if self.weights_pending is not None:
+            raise ValueError(f"the ranks are still receiving version {self.weights_pending}")
+        self.weights_pending, self.weights_refused, self._weight_reports = version, None, {}
+        for g in self._live_groups():
+            self._commands[g[0]].put(("weights", version, address, world, rank_offset, backend))
+
     # -- layouts -----------------------------------------------------------------------------------------
-    def regroup(self, target: Iterable[int], migration: str | None = None, timeout: float = 300.0
-                ) -> list[RegroupReport]:
+    def regroup(self, target: Iterable[int], migration: str | None = None, timeout: float = 300.0,
+                epoch: int | None = None) -> list[RegroupReport]:
         """Applies a layout at the next step boundary of the groups it changes; returns every rank's report.
 
-        migration: auto | kv | recompute for this regroup (default: the engine option)."""
+        migration: auto | kv | recompute for this regroup (default: the engine option). epoch: the layout's epoch
+        afterwards (default: the current one + 1; an operator's plan brings its own)."""
         if migration not in (None, *MIGRATION_MODES):
             raise ValueError(f"migration={migration!r}: use one of {MIGRATION_MODES}")
+        if epoch is not None and epoch <= self.epoch:
+            raise ValueError(f"epoch {epoch} is not after the current epoch {self.epoch}")
         target = layouts.validate(tuple(target), self.world, self.tp_sizes)
         for g in layouts.groups(target):
             if len(g) > 1 and set(g) & self.dead:
@@ -196,7 +263,7 @@ class LocalGenerator:
             if g in self.broken:
                 raise layouts.LayoutError(f"layout {target}: the communicator of ranks {g} failed in an earlier "
                                           f"regroup; restart the pod to use it again")
-        old, self.epoch = self.layout, self.epoch + 1
+        old, self.epoch = self.layout, self.epoch + 1 if epoch is None else epoch
         started = time.perf_counter()
         for g in self._live_groups():
             self._commands[g[0]].put(("regroup", self.epoch, old, target, migration))
@@ -251,6 +318,7 @@ class LocalGenerator:
             self._where[i] = target
             counts[target] += 1
         self._load = counts
+        self._last_step = {}
         self.metrics.set_layout(list(counts), self.epoch)
 
     # -- events ------------------------------------------------------------------------------------------
@@ -261,36 +329,60 @@ class LocalGenerator:
         self.dead |= {rank for rank, p in enumerate(self._procs) if p.exitcode is not None}
         return self.dead
 
-    def _next_event(self, timeout: float, allow_dead: bool = False) -> tuple:
+    def _next_event(self, timeout: float, allow_dead: bool = False, required: bool = True) -> tuple | None:
+        """The next event; after `timeout` seconds without one, GeneratorError (or None if not `required`)."""
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             try:
-                event = self._events.get(timeout=0.2)
+                event = self._events.get(timeout=min(0.2, max(deadline - time.monotonic(), 0.0)))
             except queue.Empty:
                 if not allow_dead and self._dead_now() - self._accounted_dead:
                     raise GeneratorError(f"rank(s) {sorted(self.dead - self._accounted_dead)} died") from None
-                if time.monotonic() > deadline:
-                    raise GeneratorError("timed out waiting for the engine ranks") from None
+                if time.monotonic() >= deadline:
+                    if required:
+                        raise GeneratorError("timed out waiting for the engine ranks") from None
+                    return None
                 continue
             if event[0] == "error":
                 raise GeneratorError(f"rank {event[1]} failed:\n{event[2]}")
             return event
 
     def _handle(self, event: tuple) -> StepRecord | None:
+        if event[0] == "weights":
+            self._on_weights(*event[1:])
         if event[0] != "step":
             return None
-        _, group, batch, waiting, seconds, tokens, prefill_tokens, finished = event
-        self.metrics.on_step(group, batch, waiting, seconds, tokens)
+        _, group, batch, waiting, seconds, tokens, prefill_tokens, finished, running = event
+        self.metrics.on_step(group, batch, len(running), waiting, seconds, tokens)
+        self._last_step[group] = (waiting, {rid for rid, _ in running})
+        for rid, generated in running:
+            if rid in self._generated:
+                self._generated[rid] = generated
         for r in finished:
-            if r.id in self._where and r.id not in self._done:
-                self._done[r.id] = r
+            if r.id in self._where:
+                self._finished.append(r)
+                del self._generated[r.id], self._requests[r.id]
                 held_by = self._where.pop(r.id)
                 self._load[held_by] = max(self._load.get(held_by, 1) - 1, 0)
         record = StepRecord(time.perf_counter() - self._t0, group, batch, waiting, seconds, tokens, len(finished),
-                            prefill_tokens)
+                            prefill_tokens, running)
         if self._run is not None:
             self._run.steps.append(record)
         return record
+
+    def _on_weights(self, rank: int, version: int, refused: str | None) -> None:
+        if version != self.weights_pending:
+            return
+        self._weight_reports[rank] = refused
+        if set(range(self.world)) - self._dead_now() - set(self._weight_reports):
+            return  # a live rank is still receiving
+        reasons = [f"rank {r}: {why}" for r, why in sorted(self._weight_reports.items()) if why]
+        if reasons:  # a refused round moved nothing (weightsync): every rank kept its weights
+            self.weights_refused = "; ".join(reasons)
+        else:
+            self.policy_version = version
+            self.metrics.policy_version.set(version)
+        self.weights_pending = None
 
     def loads(self) -> dict[Group, int]:
         """Unfinished requests per live group, as the coordinator knows them."""

@@ -32,6 +32,10 @@ class EngineMetrics:
         self.regroup_seconds = Histogram(names.GENERATOR_REGROUP_SECONDS, "Seconds a regroup spent moving KV, "
                                          "recomputing, and in total", ["mode"], buckets=REGROUP_BUCKETS, registry=r)
         self.epoch = Gauge(names.GENERATOR_LAYOUT_EPOCH, "Epoch of the applied TP layout", registry=r)
+        self.policy_version = Gauge(names.GENERATOR_POLICY_VERSION, "Policy version of the weights the ranks hold",
+                                    registry=r)
+        self.batches = Counter(names.GENERATOR_BATCHES, "Rollout batches completed (the batch boundaries)",
+                               registry=r)
 
     def set_layout(self, groups: list[tuple[int, ...]], epoch: int) -> None:
         for gauge in (self.running, self.waiting, self.tp_size):
@@ -42,8 +46,10 @@ class EngineMetrics:
             self.waiting.labels(group_label(g)).set(0)
         self.epoch.set(epoch)
 
-    def on_step(self, group: tuple[int, ...], batch: int, waiting: int, seconds: float, tokens: int) -> None:
-        self.running.labels(group_label(group)).set(batch)
+    def on_step(self, group: tuple[int, ...], batch: int, running: int, waiting: int, seconds: float,
+                tokens: int) -> None:
+        """batch: sequences the step decoded; running: those still decoding after it."""
+        self.running.labels(group_label(group)).set(running)
         self.waiting.labels(group_label(group)).set(waiting)
         self.tokens.inc(tokens)
         if batch:

@@ -2,7 +2,7 @@
 
 Only a group's leader reads commands; it hands them to the other members at the step boundary through the
 group's communicator, so every member applies them at the same step. Events (steps, finished requests,
-regroup reports) go back to the coordinator on one queue.
+regroup reports, weight updates) go back to the coordinator on one queue.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .engine import Engine
 from .loader import load_model
 from .model import Transformer
 from .regroup import MIGRATION_MODES, regroup
+from ..weightsync import WeightReceiver, WeightSyncError
 
 IDLE_POLL_SECONDS = 0.05
 
@@ -93,6 +94,7 @@ def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_m
 
 def _serve(engine: Engine, costs, opts: EngineOptions, commands, events) -> None:
     pending: list[tuple] = []
+    receivers: dict[tuple, WeightReceiver] = {}  # the weight-sync group, joined once per (address, world, rank)
     flag = torch.zeros(1, device=engine.model.device)
     while True:
         batch: list[tuple] = []
@@ -121,8 +123,26 @@ def _serve(engine: Engine, costs, opts: EngineOptions, commands, events) -> None
                 report = regroup(engine, old, new, epoch, costs, migration or opts.migration)
                 if engine.is_leader:
                     events.put(("regrouped", report))
+            elif command[0] == "weights":
+                events.put(("weights", engine.rank, command[1], _receive_weights(engine, receivers, *command[1:])))
         if engine.has_work():
             stats = engine.step()
             if engine.is_leader:
                 events.put(("step", engine.group, stats.batch, len(engine.waiting), stats.seconds, stats.tokens,
-                            stats.prefill_tokens, stats.finished))
+                            stats.prefill_tokens, stats.finished, [(r.id, len(r.output)) for r in engine.running]))
+
+
+def _receive_weights(engine: Engine, receivers: dict, version: int, address: str, world: int, rank_offset: int,
+                     backend: str) -> str | None:
+    """Joins the weight broadcast of `version` (the coordinator sends it only while no request is in the pod);
+    returns why the round was refused, or None once the replica holds the new weights."""
+    if engine.has_work():  # the coordinator's invariant: new weights mid-sequence would corrupt those requests
+        raise RuntimeError(f"weights of version {version} arrived while requests are generating")
+    key = (address, world, rank_offset + engine.rank)
+    if key not in receivers:
+        receivers[key] = WeightReceiver(address, world, rank_offset + engine.rank, backend)
+    try:
+        receivers[key].receive(engine.model.w, version)
+    except WeightSyncError as refused:
+        return str(refused)
+    return None

@@ -1,0 +1,202 @@
+"""Generator pods as real processes (`python -m pat_workers.generator`, 2 CPU ranks each) spoken to over real
+HTTP on 127.0.0.1, and single-process references of what they must generate.
+
+One pod per controller mode, started once for the session (concurrently) and shared: tests read the pod's
+current layout, epoch and policy version from GET /v1/state instead of assuming them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pat_workers.engine.engine import Engine, Request
+from pat_workers.engine.loader import load_model, load_tokenizer
+from pat_workers.engine.model import Transformer
+from pat_workers.engine.sampling import SamplingParams
+from pat_workers.engine.tiny import make_tiny_model
+from tests.engine.test_engine import OneRankPool
+
+TOKEN = "test-job-token"
+MAX_BATCH, MAX_SEQ = 8, 512
+MODEL_SEED = 1
+# An offline profile in which TP=2 is 10x faster than TP=1 for one sequence and much slower for many: the pod
+# should start a batch at 2 x TP1 and merge into TP2 once a single sequence is left.
+TAIL_PROFILE = {"1": {"1": 0.02, "2": 0.021, "4": 0.022, "8": 0.024, "16": 0.03},
+                "2": {"1": 0.002, "2": 0.02, "4": 0.08, "8": 0.3, "16": 1.0}}
+
+
+class Pod:
+    """One generator pod process and a small synchronous HTTP client for it."""
+
+    def __init__(self, name: str, model_dir: Path, log_dir: Path, *args: str, ranks: int = 2,
+                 env: dict[str, str] | None = None):
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pat_workers.generator", "--model", str(model_dir), "--ranks", str(ranks),
+             "--host", "127.0.0.1", "--port", "0", "--max-batch", str(MAX_BATCH), "--max-seq", str(MAX_SEQ),
+             "--device", "cpu", *args],
+            stdout=subprocess.PIPE, stderr=self.log.open("w"), env={**os.environ, **(env or {})})
+        line = self.proc.stdout.readline().decode()
+        assert line.startswith("listening on http://"), f"{name}: {line!r}\n{self.log.read_text()}"
+        self.url = line.split()[-1]
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.call("GET", "/readyz")[0] != 200:
+            assert self.proc.poll() is None, f"{self.name} exited {self.proc.returncode}:\n{self.log.read_text()}"
+            assert time.monotonic() < deadline, f"{self.name} not ready after {timeout} s"
+            time.sleep(0.1)
+
+    def call(self, method: str, path: str, body=None, *, raw: bytes | None = None, token: str | None = TOKEN,
+             timeout: float = 60.0) -> tuple[int, dict | str]:
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method)
+        if token is not None:
+            request.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                status, text = response.status, response.read().decode()
+        except urllib.error.HTTPError as e:
+            status, text = e.code, e.read().decode()
+        try:
+            return status, json.loads(text)
+        except json.JSONDecodeError:
+            return status, text
+
+    def ok(self, method: str, path: str, body=None, status: int = 200) -> dict:
+        got, reply = self.call(method, path, body)
+        assert got == status, f"{method} {path}: {got} {reply}"
+        return reply
+
+    def state(self) -> dict:
+        return self.ok("GET", "/v1/state")
+
+    def generate(self, batch_id: str, requests: list[dict], version: int | None = None) -> list[dict]:
+        """Submits a batch and returns its completions once done, in request order."""
+        self.submit(batch_id, requests, version)
+        completions = self.finish(batch_id)
+        assert [c["id"] for c in completions] == [r["id"] for r in requests]
+        return completions
+
+    def submit(self, batch_id: str, requests: list[dict], version: int | None = None) -> dict:
+        version = self.state()["policy_version"] if version is None else version
+        return self.ok("POST", "/v1/rollouts", {"batch_id": batch_id, "policy_version": version,
+                                                "requests": requests}, 202)
+
+    def finish(self, batch_id: str, timeout: float = 120.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while not (status := self.ok("GET", f"/v1/rollouts/{batch_id}?wait=10"))["done"]:
+            assert time.monotonic() < deadline, f"batch {batch_id} not done after {timeout} s: {status}"
+        return status["completions"]
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        status, text = self.call("GET", "/metrics", token=None)
+        assert status == 200
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+# -- requests and references -------------------------------------------------------------------------------
+def rollout(rid: str, prompt: str | list[int], max_tokens: int, **sampling) -> dict:
+    """A RolloutRequest payload: text or token ids; greedy and ignore_eos unless `sampling` says otherwise."""
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    return {"id": rid, key: prompt, "sampling": {"max_tokens": max_tokens, "ignore_eos": True, **sampling}}
+
+
+def long_tailed(n: int = 8, long: int = 150, tag: str = "r") -> list[dict]:
+    """n greedy requests of 6 to 27 tokens and one of `long` tokens; text and token-id prompts alternate."""
+    return [rollout(f"{tag}-{i}", f"Q{i}: {i} + {2 * i} =" if i % 2 == 0 else
+                    [256] + [(37 * i + 11 * j) % 250 for j in range(3 + i % 5)],
+                    long if i == n - 1 else 6 + (i * 7) % 22) for i in range(n)]
+
+
+class Reference:
+    """What the pod must generate, computed here by one engine on one rank (TP=1, float32)."""
+
+    def __init__(self, model_dir: Path, weights: dict | None = None):
+        cfg, loaded = load_model(model_dir)
+        self.model = Transformer(cfg, weights if weights is not None else loaded)
+        self.tokenizer = load_tokenizer(model_dir)
+
+    def __call__(self, payloads: list[dict]) -> dict[str, Request]:
+        requests = [Request(p["id"], p.get("prompt_token_ids") or self.tokenizer.encode(p["prompt"]).ids,
+                            SamplingParams(**{**p["sampling"], "stop_token_ids": tuple(
+                                p["sampling"].get("stop_token_ids", ()))})) for p in payloads]
+        engine = Engine(self.model, OneRankPool(), max_batch=len(requests), max_seq=MAX_SEQ)
+        engine.add(requests)
+        done = {}
+        while engine.has_work():
+            done.update((r.id, r) for r in engine.step().finished)
+        return done
+
+
+def mismatched(completions: list[dict], reference: dict[str, Request], atol: float = 1e-4) -> list[str]:
+    """Ids whose tokens, finish reason or log-probabilities differ from the reference."""
+    return [c["id"] for c in completions
+            if c["token_ids"] != reference[c["id"]].output or c["finish_reason"] != reference[c["id"]].finish_reason
+            or any(abs(a - b) > atol for a, b in zip(c["logprobs"], reference[c["id"]].logprobs))]
+
+
+# -- fixtures ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("pod-model"), family="llama", preset="test", seed=MODEL_SEED)
+
+
+@pytest.fixture(scope="session")
+def pods(model_dir, tmp_path_factory):
+    """{"operator": a pod that obeys regroup plans (token in a file), "pod": one that plans with TAIL_PROFILE
+    (token in PAT_JOB_TOKEN)}, started together; each must exit 0 on SIGTERM at the end."""
+    tmp = tmp_path_factory.mktemp("pods")
+    (tmp / "token").write_text(TOKEN + "\n")
+    (tmp / "profile.json").write_text(json.dumps(TAIL_PROFILE))
+    started = {
+        "operator": Pod("operator", model_dir, tmp, "--controller", "operator", "--token-file", str(tmp / "token")),
+        "pod": Pod("pod", model_dir, tmp, "--controller", "pod", "--profile", str(tmp / "profile.json"),
+                   "--cooldown-steps", "2", env={"PAT_JOB_TOKEN": TOKEN}),
+    }
+    try:
+        for pod in started.values():
+            pod.wait_ready()
+        yield started
+    finally:
+        codes = {name: pod.stop() for name, pod in started.items()}
+    assert codes == {"operator": 0, "pod": 0}, codes
+
+
+@pytest.fixture(scope="session")
+def operator_pod(pods) -> Pod:
+    return pods["operator"]
+
+
+@pytest.fixture(scope="session")
+def planning_pod(pods) -> Pod:
+    return pods["pod"]
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir) -> Reference:
+    return Reference(model_dir)

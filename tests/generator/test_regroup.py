@@ -1,0 +1,62 @@
+"""Regroups of a pod over HTTP: plans from the operator (controller=operator) and the pod's own planner
+(controller=pod) merging in the tail of a long-tailed batch; outputs equal the single-process reference."""
+
+import re
+import time
+
+from .conftest import long_tailed, mismatched
+
+
+def _applied_regroups(pod) -> float:
+    return pod.metrics().get(("pat_generator_regroups_total", (("outcome", "applied"),)), 0.0)
+
+
+def test_operator_plan_applies_mid_batch(operator_pod, reference):
+    pod = operator_pod
+    epoch = pod.state()["epoch"] + 1  # start the batch at 2 x TP1, whatever an earlier test left
+    assert pod.ok("POST", "/v1/regroup", {"epoch": epoch, "layout": [1, 1]})["layout"] == [1, 1]
+    requests = long_tailed(8, long=200, tag="op")
+    tokens = pod.metrics()[("pat_generator_tokens_total", ())]
+    pod.submit("op", requests)
+    while pod.metrics()[("pat_generator_tokens_total", ())] < tokens + 20:  # both replicas are decoding
+        time.sleep(0.005)
+    ack = pod.ok("POST", "/v1/regroup", {"epoch": epoch + 1, "layout": [2]})
+    assert ack == {"applied_epoch": epoch + 1, "layout": [2], "outcome": "applied"}
+    state = pod.state()
+    assert (state["layout"], state["epoch"], state["groups"][0]["ranks"], state["groups"][0]["tp"]) == (
+        [2], epoch + 1, [0, 1], 2)
+    assert not state["batch_done"], "the batch ended before the regroup: make it longer"
+    assert mismatched(pod.finish("op"), reference(requests)) == []
+    assert pod.ok("POST", "/v1/regroup", {"epoch": epoch + 1, "layout": [2]}) == ack  # a retry is acknowledged
+    assert pod.ok("POST", "/v1/regroup", {"epoch": epoch + 1, "layout": [1, 1]}) == ack  # ... whatever it says
+    status, reply = pod.call("POST", "/v1/regroup", {"epoch": epoch, "layout": [1, 1]})
+    assert status == 409 and f"older than the applied epoch {epoch + 1}" in reply["error"], reply
+    assert pod.state()["layout"] == [2]
+    metrics = pod.metrics()
+    assert metrics[("pat_generator_layout_epoch", ())] == epoch + 1
+    assert metrics[("pat_generator_tp_size", (("group", "0-1"),))] == 2
+
+
+def test_pod_mode_refuses_plans(planning_pod):
+    before = planning_pod.state()
+    status, reply = planning_pod.call("POST", "/v1/regroup", {"epoch": before["epoch"] + 1, "layout": [2]})
+    assert status == 409 and "adaptiveTP.controller" in reply["error"], reply
+    assert planning_pod.state()["epoch"] == before["epoch"]
+
+
+def test_pod_mode_merges_in_the_tail(planning_pod, reference):
+    """TAIL_PROFILE makes 2 x TP1 the better start for 8 sequences and TP2 10x faster for the last one."""
+    pod = planning_pod
+    before = _applied_regroups(pod)
+    requests = long_tailed(8, long=150, tag="tail")
+    pod.submit("tail", requests)
+    assert pod.state()["layout"] == [1, 1], "the planner should start this batch at 2 x TP1"
+    completions = pod.finish("tail")
+    assert mismatched(completions, reference(requests)) == []
+    state = pod.state()
+    assert state["layout"] == [2] and state["groups"] == [{"ranks": [0, 1], "tp": 2, "running": 0, "waiting": 0}]
+    assert _applied_regroups(pod) > before
+    merges = [line for line in pod.log.read_text().splitlines() if "regroup (1, 1) -> (2,)" in line]
+    assert merges and "merge (1, 1)->(2,)" in merges[-1], merges
+    unfinished = int(re.search(r"with (\d+) request\(s\) unfinished", merges[-1]).group(1))
+    assert unfinished <= len(requests) // 4, f"not in the tail: {merges[-1]}"

@@ -1,0 +1,65 @@
+"""`python -m pat_workers.generator` (also `pat generator`): one generator pod.
+
+Prints 'listening on http://HOST:PORT' once it accepts connections; /readyz answers 200 once the engine ranks
+have loaded the model and measured their costs. Exits 0 on SIGTERM, 1 if an engine rank or the coordinator
+fails (so that a supervisor restarts the gang), 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pat generator", description="one generator pod: HTTP coordinator + engine "
+                                 "ranks (one per GPU, else one per CPU core)")
+    ap.add_argument("--model", required=True, help="model directory: config.json, *.safetensors, tokenizer.json")
+    ap.add_argument("--ranks", type=int, required=True, help="engine ranks (a power of two)")
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    ap.add_argument("--token-file", help="the job's bearer token (default: env PAT_JOB_TOKEN)")
+    ap.add_argument("--controller", choices=("pod", "operator"), default="pod",
+                    help="pod: plan regroups here; operator: apply the operator's plans (POST /v1/regroup)")
+    ap.add_argument("--margin", type=float, default=0.1, help="regroup when the predicted gain beats its cost by "
+                    "this fraction of the time left")
+    ap.add_argument("--cooldown-steps", type=int, default=4, help="decode steps after a regroup before the next")
+    ap.add_argument("--migration", choices=("auto", "kv", "recompute"), default="auto")
+    ap.add_argument("--max-batch", type=int, default=64, help="sequences per TP=1 replica")
+    ap.add_argument("--max-seq", type=int, default=512, help="prompt + response tokens per sequence")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    ap.add_argument("--profile", help="offline T(tp, batch) profile JSON (Profile.to_json); default: measured")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--comm-backend", choices=("auto", "shm", "gloo", "nccl"), default="auto")
+    args = ap.parse_args(argv)
+    try:
+        token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("PAT_JOB_TOKEN", "")
+    except OSError as e:
+        ap.error(f"--token-file: {e}")
+    if not token:
+        ap.error("no token: set --token-file FILE or PAT_JOB_TOKEN (the job's Secret); every endpoint but "
+                 "/healthz, /readyz and /metrics needs it")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Imported once the arguments are good: --help and argument errors answer without loading torch.
+    from ..engine.rank import EngineOptions
+    from .coordinator import Coordinator, PodConfig
+    from .server import serve
+
+    try:
+        options = EngineOptions(max_batch=args.max_batch, max_seq=args.max_seq, dtype=args.dtype,
+                                migration=args.migration, comm_backend=args.comm_backend, device=args.device)
+        coordinator = Coordinator(PodConfig(args.model, args.ranks, options, args.controller, args.margin,
+                                            args.cooldown_steps, args.profile))
+    except (OSError, ValueError) as e:  # a bad model directory, option or profile file
+        print(f"pat generator: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(coordinator, token, args.host, args.port,
+                             announce=lambda line: print(line, flush=True)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

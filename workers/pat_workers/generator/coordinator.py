@@ -1,0 +1,438 @@
+"""The generator pod's coordinator: one thread that owns the pod's engine ranks (a LocalGenerator) and does what
+the HTTP API asks of them, between decode steps.
+
+The LocalGenerator is not thread-safe, so only this thread touches it. Others hand it commands through `post`
+(a thread-safe inbox; the reply comes back through a callback, on this thread) and read `state`, a PodState
+snapshot it republishes as things change. Between commands the thread pumps the ranks' events: finished
+requests complete the open rollout batch, and with controller=pod every decode step is a chance to regroup
+(pat_operator.planner decides; the pod applies it at the next step boundary).
+
+Errors a client can fix are raised as PodError subclasses carrying their HTTP status; each is raised before
+anything changed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pat_operator import layout as layouts
+from pat_operator.planner import Controller, Decision, LengthPredictor, Profile, RegroupCosts
+from pat_operator.podapi import (BatchStatus, Completion, GroupState, PodState, RegroupAck, RegroupPlan,
+                                 RolloutBatch, RolloutRequest, WeightUpdate)
+
+from ..engine.engine import Request
+from ..engine.generator import GeneratorError, LocalGenerator, StepRecord
+from ..engine.loader import load_tokenizer
+from ..engine.rank import EngineOptions
+from ..engine.sampling import SamplingParams
+from ..weightsync import parse_address
+
+log = logging.getLogger("pat.generator")
+
+IDLE_POLL_SECONDS = 0.02  # the longest the thread waits for a rank event before it looks at its inbox again
+STATE_PERIOD_SECONDS = 0.05  # during a batch, `state` is republished at most this often (and at every command)
+KEPT_BATCHES = 8  # finished batches whose completions stay fetchable
+LENGTH_HISTORY = 4096  # response lengths of earlier batches the planner's length predictor learns from
+# What a regroup costs besides moving requests: two barriers, one exchange of request state and a KV cache
+# allocation. RegroupReport.seconds["total"] of a regroup with nothing to move is 1-3 ms on a 2-core CPU over
+# shared memory; 5 ms is on the safe side there and for NCCL.
+REGROUP_FIXED_SECONDS = 0.005
+
+
+class PodError(Exception):
+    """A request the pod refuses; `status` is its HTTP status code. Nothing changed."""
+
+    status = 500
+
+
+class Conflict(PodError):
+    status = 409
+
+
+class Invalid(PodError):
+    status = 422
+
+
+class NotFound(PodError):
+    status = 404
+
+
+class Unavailable(PodError):
+    status = 503
+
+
+@dataclass(frozen=True)
+class PodConfig:
+    model_dir: str
+    ranks: int
+    options: EngineOptions = EngineOptions()  # options.migration is also the migration mode of every regroup
+    controller: Literal["pod", "operator"] = "pod"
+    margin: float = 0.1
+    cooldown_steps: int = 4
+    profile: str | None = None  # an offline T(tp, batch) profile (Profile.to_json); default: measured at start
+
+
+@dataclass
+class _Batch:
+    batch_id: str
+    policy_version: int
+    ids: list[str]  # in request order
+    finished: dict[str, Request] = field(default_factory=dict)  # id -> the ranks' finished copy
+    watchers: list[Callable[[], None]] = field(default_factory=list)  # called once, when the batch is done
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.ids)
+
+
+Reply = Callable[[Any, BaseException | None], None]
+
+
+class Coordinator:
+    def __init__(self, config: PodConfig, env: dict[str, str] | None = None):
+        self.config = config
+        if config.ranks < 1:
+            raise ValueError(f"ranks={config.ranks}: use 1 or more (one engine rank per device)")
+        if config.controller not in ("pod", "operator"):
+            raise ValueError(f"controller={config.controller!r}: use pod (plans its own regroups) or operator")
+        self._offline_profile = _read_profile(config.profile) if config.profile else None
+        self.gen = LocalGenerator(config.model_dir, config.ranks, config.options, env)
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.ready = threading.Event()  # ranks up and profiled
+        self.failure: str | None = None  # why the thread stopped, if it failed
+        self.dead_ranks: frozenset[int] = frozenset()
+        self._inbox: queue.Queue[tuple[Callable, tuple, Reply]] = queue.Queue()
+        self._closed = False  # set under _inbox_lock once the thread no longer serves its inbox
+        self._inbox_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="pat-coordinator", daemon=True)
+        self._on_exit: Callable[[], None] | None = None
+        self._batches: OrderedDict[str, _Batch] = OrderedDict()
+        self._batch: _Batch | None = None  # the newest batch
+        self._lengths: deque[int] = deque(maxlen=LENGTH_HISTORY)
+        self._last_outcome: Literal["applied", "unchanged", "fallback"] = "unchanged"
+        self._receiving: int | None = None  # the weight version the ranks were sent into
+        self._published = 0.0
+        self.state: PodState = self._snapshot()
+        # controller=pod only, set once the ranks have measured their costs
+        self.controller: Controller | None = None
+        self.profile: Profile | None = None
+        self.costs: RegroupCosts | None = None
+        self._predictor: LengthPredictor | None = None
+
+    # -- lifecycle (any thread) ---------------------------------------------------------------------------
+    def start(self, on_exit: Callable[[], None] | None = None) -> None:
+        """Starts the thread; it starts the ranks. `on_exit` is called from it when it ends (failed or stopped)."""
+        self._on_exit = on_exit
+        self._thread.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def post(self, command: Callable, *args: Any, reply: Reply) -> None:
+        """Runs `command` (a method of this coordinator) on its thread; `reply(result, error)` is called there.
+        Before the ranks are ready and after the thread ended the reply is Unavailable, at once."""
+        with self._inbox_lock:
+            if self.ready.is_set() and not self._closed:
+                self._inbox.put((command, args, reply))
+                return
+        reply(None, Unavailable(self.failure or ("the pod is stopping" if self._closed else
+                                "the pod is starting: its engine ranks load and profile the model; retry once "
+                                "/readyz answers 200")))
+
+    def health(self) -> str | None:
+        """Why the pod is unhealthy, or None."""
+        if self.failure:
+            return self.failure
+        if self.dead_ranks:
+            return f"engine rank(s) {sorted(self.dead_ranks)} died; the pod must restart"
+        if self._thread.ident is not None and not self._thread.is_alive():
+            return "the coordinator thread has stopped"
+        return None
+
+    # -- the thread -----------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.gen.start()
+            self._setup_planner()
+            self.ready.set()
+            self._publish(force=True)
+            log.info("ready: %d rank(s), layout %s, TP sizes %s, controller=%s", self.gen.world, self.gen.layout,
+                     self.gen.tp_sizes, self.config.controller)
+            while not self._stop.is_set():
+                self._serve_inbox()
+                record = self.gen.poll(IDLE_POLL_SECONDS)
+                if record is not None:
+                    self._on_step(record)
+                self._collect_finished()
+                self._check_weights()
+                self.dead_ranks = frozenset(self.gen.dead)
+                if self.dead_ranks:  # one a regroup's fallback survived: the gang restarts anyway, so now
+                    raise GeneratorError(f"engine rank(s) {sorted(self.dead_ranks)} died")
+                self._publish()
+        except BaseException as e:  # the pod's life ends with this thread: report why
+            self.failure = f"{type(e).__name__}: {e}"
+            log.error("coordinator stopped: %s", self.failure)
+        finally:
+            self.ready.clear()
+            with self._inbox_lock:
+                self._closed = True
+            while not self._inbox.empty():
+                _, _, reply = self._inbox.get_nowait()
+                reply(None, Unavailable(self.failure or "the pod is stopping"))
+            for batch in self._batches.values():  # long polls end now (with 503), not at their timeout
+                for notify in batch.watchers:
+                    notify()
+            self.gen.close(timeout=5.0 if self.failure else 30.0)
+            if self._on_exit:
+                self._on_exit()
+
+    def _serve_inbox(self) -> None:
+        served = False
+        while True:
+            try:
+                command, args, reply = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            served = True
+            try:
+                result = command(*args)
+            except BaseException as e:
+                reply(None, e)
+                if not isinstance(e, PodError):  # the ranks failed, or a bug: the pod must not go on
+                    raise
+                continue
+            reply(result, None)
+        if served:
+            self._publish(force=True)
+
+    def _publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._published >= STATE_PERIOD_SECONDS:
+            self.state, self._published = self._snapshot(), now
+
+    def _snapshot(self) -> PodState:
+        occupancy = self.gen.occupancy()
+        return PodState(
+            ready=self.ready.is_set(), layout=list(self.gen.layout), epoch=self.gen.epoch,
+            groups=[GroupState(ranks=list(g), tp=len(g), running=occupancy.get(g, (0, 0))[0],
+                               waiting=occupancy.get(g, (0, 0))[1]) for g in layouts.groups(self.gen.layout)],
+            policy_version=self.gen.policy_version, batch_id=self._batch.batch_id if self._batch else None,
+            batch_done=not self._generating(), controller=self.config.controller, world=self.gen.world,
+            dtype=self.config.options.dtype)
+
+    def _generating(self) -> bool:
+        return self._batch is not None and not self._batch.done
+
+    # -- planning (controller=pod) ----------------------------------------------------------------------
+    def _setup_planner(self) -> None:
+        if self.config.controller != "pod":
+            return
+        measured = self.gen.costs
+        self.profile = self._offline_profile or Profile(measured.decode)
+        cfg = self.gen.config
+        kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _itemsize(self.config.options)
+        self.costs = RegroupCosts(REGROUP_FIXED_SECONDS, kv_bytes_per_token / measured.link_bytes_per_s,
+                                  measured.prefill)
+        self.controller = Controller(self.gen.tp_sizes, self.config.margin, self.config.cooldown_steps)
+
+    def _on_step(self, record: StepRecord) -> None:
+        tp = len(record.group)
+        if self.profile and record.batch and not record.prefill_tokens and tp in self.profile.tp_sizes:
+            self.profile.observe(tp, record.batch, record.seconds)  # decode steps only: prefill is costed apart
+        if self.controller is None or not self._generating():
+            return
+        self.controller.step()
+        decision = self.controller.decide(self.gen.layout, self.gen.running_lengths(), self.profile,
+                                          self._predictor, self.costs)
+        if decision.layout is not None:
+            self._apply(decision)
+            self.controller.regrouped()
+
+    def _apply(self, decision: Decision) -> None:
+        old = self.gen.layout
+        try:
+            reports = self.gen.regroup(decision.layout)
+        except layouts.LayoutError as e:  # e.g. a block whose communicator failed earlier
+            log.warning("planned regroup %s -> %s not applied: %s", old, decision.layout, e)
+            return
+        self._last_outcome = _outcome(reports)
+        log.info("regroup %s -> %s (epoch %d, %s) with %d request(s) unfinished: %s", old, self.gen.layout,
+                 self.gen.epoch, self._last_outcome, sum(self.gen.loads().values()), decision.reason)
+
+    # -- batches ----------------------------------------------------------------------------------------
+    def _collect_finished(self) -> None:
+        finished = self.gen.take_finished()
+        batch = self._batch
+        if not finished or batch is None:
+            return
+        for r in finished:
+            batch.finished[r.id] = r
+        if batch.done:
+            lengths = [len(r.output) for r in batch.finished.values()]
+            self._lengths.extend(lengths)
+            self.gen.metrics.batches.inc()
+            log.info("batch %s done: %d responses, %d tokens", batch.batch_id, len(lengths), sum(lengths))
+            self._publish(force=True)
+            for notify in batch.watchers:
+                notify()
+            batch.watchers.clear()
+
+    def _check_weights(self) -> None:
+        if self._receiving is None or self.gen.weights_pending is not None:
+            return
+        if self.gen.policy_version == self._receiving:
+            log.info("every rank holds the weights of version %d", self._receiving)
+        else:  # PodState has no field for it: the trainer sees policy_version stay, the log says why
+            log.error("the weights of version %d were refused, the ranks keep version %d: %s", self._receiving,
+                      self.gen.policy_version, self.gen.weights_refused)
+        self._receiving = None
+        self._publish(force=True)
+
+    def _request(self, r: RolloutRequest) -> Request:
+        prompt = list(r.prompt_token_ids) if r.prompt_token_ids is not None else self.tokenizer.encode(r.prompt).ids
+        s = r.sampling
+        return Request(r.id, prompt, SamplingParams(
+            max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+            stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos))
+
+    def _status(self, batch: _Batch) -> BatchStatus:
+        done = [batch.finished[i] for i in batch.ids] if batch.done else []
+        completions = [Completion(id=r.id, token_ids=r.output, logprobs=r.logprobs, finish_reason=r.finish_reason,
+                                  policy_version=batch.policy_version, text=self.tokenizer.decode(r.output))
+                       for r in done]
+        return BatchStatus(batch_id=batch.batch_id, done=batch.done, total=len(batch.ids),
+                           finished=len(batch.finished), completions=completions)
+
+    def _lookup(self, batch_id: str) -> _Batch:
+        batch = self._batches.get(batch_id)
+        if batch is None:
+            raise NotFound(f"batch {batch_id!r} is unknown here: the pod keeps the open batch and the last "
+                           f"{KEPT_BATCHES} finished ones")
+        return batch
+
+    def _refuse_while_busy(self, what: str) -> None:
+        if self._generating():
+            b = self._batch
+            raise Conflict(f"{what}: batch {b.batch_id!r} is generating ({len(b.finished)}/{len(b.ids)} "
+                           f"done); wait until GET /v1/rollouts/{b.batch_id} reports done")
+        if self.gen.weights_pending is not None:
+            raise Conflict(f"{what}: the ranks are receiving the weights of version {self.gen.weights_pending}; "
+                           f"retry once GET /v1/state shows that policy_version")
+
+    # -- commands (run on the thread, through post) ------------------------------------------------------
+    def submit(self, rollouts: RolloutBatch) -> BatchStatus:
+        """Starts generating a batch (one at a time: synchronous RLHF generates each batch with one policy)."""
+        self._refuse_while_busy("a new batch")
+        if rollouts.policy_version != self.gen.policy_version:
+            raise Conflict(f"policy_version: the batch asks for version {rollouts.policy_version}, the pod holds "
+                           f"version {self.gen.policy_version}; send the weights first (POST /v1/weights) or ask "
+                           f"for {self.gen.policy_version}")
+        first: dict[str, int] = {}
+        for i, r in enumerate(rollouts.requests):
+            if r.id in first:
+                raise Invalid(f"requests.{i}.id: {r.id!r} repeats requests.{first[r.id]}.id; ids must be unique "
+                              f"within a batch")
+            first[r.id] = i
+        requests = [self._request(r) for r in rollouts.requests]
+        try:
+            self.gen.check(requests)
+        except ValueError as e:
+            raise Invalid(str(e)) from None
+        if self.controller is not None:
+            max_tokens = max(r.params.max_tokens for r in requests)
+            self._predictor = LengthPredictor(max_tokens, prior=list(self._lengths))
+            decision = self.controller.start_batch(self.gen.world, [len(r.prompt) for r in requests], self.profile,
+                                                   self._predictor, self.costs, layout=self.gen.layout)
+            if decision.layout is not None and decision.layout != self.gen.layout:
+                self._apply(decision)  # the pod is idle: nothing to move
+        self.gen.submit(requests)
+        batch = _Batch(rollouts.batch_id, rollouts.policy_version, [r.id for r in requests])
+        self._batches.pop(batch.batch_id, None)
+        self._batches[batch.batch_id] = self._batch = batch
+        while len(self._batches) > KEPT_BATCHES + 1:  # + the open one
+            self._batches.popitem(last=False)
+        log.info("batch %s: %d requests, policy version %d, layout %s", batch.batch_id, len(requests),
+                 batch.policy_version, self.gen.layout)
+        return self._status(batch)
+
+    def status(self, batch_id: str) -> BatchStatus:
+        return self._status(self._lookup(batch_id))
+
+    def watch(self, batch_id: str, notify: Callable[[], None]) -> None:
+        """Calls `notify()` (on this thread) once the batch is done: at once if it is."""
+        batch = self._lookup(batch_id)
+        if batch.done:
+            notify()
+        else:
+            batch.watchers.append(notify)
+
+    def regroup(self, plan: RegroupPlan) -> RegroupAck:
+        """Applies an operator's plan at the next step boundary of the groups it changes."""
+        if self.config.controller != "operator":
+            raise Conflict("this pod plans its own regroups (adaptiveTP.controller=pod); set adaptiveTP.controller"
+                           "=operator for the operator's plans to apply")
+        if self.gen.weights_pending is not None:
+            raise Conflict(f"the ranks are receiving the weights of version {self.gen.weights_pending}; retry once "
+                           f"GET /v1/state shows that policy_version")
+        if plan.epoch == self.gen.epoch:  # a retry of the plan already applied
+            return RegroupAck(applied_epoch=self.gen.epoch, layout=list(self.gen.layout), outcome=self._last_outcome)
+        if plan.epoch < self.gen.epoch:
+            raise Conflict(f"epoch: plan epoch {plan.epoch} is older than the applied epoch {self.gen.epoch}; "
+                           f"plans must come with increasing epochs")
+        try:
+            reports = self.gen.regroup(plan.layout, epoch=plan.epoch)
+        except ValueError as e:  # LayoutError included
+            raise Invalid(f"layout: {e}") from None
+        self._last_outcome = _outcome(reports)
+        log.info("regroup to %s (epoch %d, %s): the operator's plan", self.gen.layout, self.gen.epoch,
+                 self._last_outcome)
+        return RegroupAck(applied_epoch=self.gen.epoch, layout=list(self.gen.layout), outcome=self._last_outcome)
+
+    def update_weights(self, update: WeightUpdate) -> PodState:
+        """Sends the ranks into the trainer's weight broadcast; policy_version follows once all of them hold it."""
+        self._refuse_while_busy("new weights")
+        if update.version <= self.gen.policy_version:
+            raise Conflict(f"version: {update.version} is not newer than the pod's policy_version "
+                           f"{self.gen.policy_version}")
+        try:
+            parse_address(update.address)
+        except ValueError as e:
+            raise Invalid(f"address: {e}") from None
+        if update.rank_offset + self.gen.world > update.world:
+            raise Invalid(f"rank_offset: ranks {update.rank_offset}..{update.rank_offset + self.gen.world - 1} of "
+                          f"this pod's {self.gen.world} do not fit in a weight-sync world of {update.world}")
+        self.gen.update_weights(update.version, update.address, update.world, update.rank_offset, update.backend)
+        self._receiving = update.version
+        log.info("receiving the weights of version %d from %s (ranks %d..%d of %d)", update.version, update.address,
+                 update.rank_offset, update.rank_offset + self.gen.world - 1, update.world)
+        return self._snapshot()
+
+
+def _outcome(reports) -> Literal["applied", "unchanged", "fallback"]:
+    outcomes = {r.outcome for r in reports}
+    if outcomes & {"fallback", "rejected"}:
+        return "fallback"
+    return "applied" if "applied" in outcomes else "unchanged"
+
+
+def _itemsize(options: EngineOptions) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[options.dtype]
+
+
+def _read_profile(path: str) -> Profile:
+    try:
+        return Profile.from_json(json.loads(Path(path).read_text()))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--profile {path}: {e}; give a JSON object {{tp: {{batch: seconds}}}} as "
+                         f"Profile.to_json writes it") from None

@@ -1,0 +1,167 @@
+"""Weight sync: the trainer's rank 0 broadcasts new policy weights to every generator rank of the job.
+
+The broadcast runs in a process group of its own, never the ranks' default group: trainer rank 0 hosts a
+TCPStore, and every member builds the group stateless from it (PrefixStore + ProcessGroupGloo/NCCL), so a pod's
+in-pod communicators are untouched and its ranks join only when the first weight update arrives (then the group
+is cached). Weight-group rank 0 is the trainer; generator rank r of a pod is its rank_offset + r.
+
+One round (one `send`, one `receive` on every generator rank):
+  1. each receiver publishes its dtype under the round's keys; the sender waits for all and agrees on one;
+  2. the sender publishes the manifest: version, dtype, every tensor's name and shape in sorted(name) order;
+  3. each receiver checks the manifest against its replica, and one all-reduce of the refusals decides: if any
+     rank refuses, every rank stops before a byte moves (WeightSyncError, nothing changed);
+  4. every tensor is broadcast from rank 0, in sorted(name) order, into the receivers' tensors in place (TP
+     shards are views of them, so every layout sees the new weights without a copy).
+A failure inside step 4 (a peer died mid-transfer) leaves the receivers' weights half-updated: it is raised as
+is, and the pod must restart.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import torch
+import torch.distributed as dist
+
+STORE_PREFIX = "pat-weights/"
+BACKENDS = ("gloo", "nccl")
+
+
+class WeightSyncError(RuntimeError):
+    """A round refused before any tensor moved: the receivers' weights are unchanged."""
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"weight-sync address {address!r}: use host:port")
+    return host, int(port)
+
+
+def _group(store: dist.Store, rank: int, world: int, backend: str, timeout: datetime.timedelta):
+    if backend not in BACKENDS:
+        raise ValueError(f"weight-sync backend {backend!r}: use one of {BACKENDS}")
+    store = dist.PrefixStore(STORE_PREFIX, store)
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise ValueError("weight-sync backend 'nccl': this torch build has no NCCL; use gloo")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world, options)
+    return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+def _device(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+class _Member:
+    """What both ends share: the store, the group, the round counter and the round's collectives."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, backend: str, timeout: float):
+        self.store, self.rank, self.world, self.backend = store, rank, world, backend
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.group = None  # built at the first round: it waits for every member
+        self.round = 0
+
+    def _begin(self) -> str:
+        if self.group is None:
+            self.group = _group(self.store, self.rank, self.world, self.backend, self.timeout)
+        self.round += 1
+        return f"round{self.round}/"
+
+    def _refusals(self, refused: bool) -> int:
+        flag = torch.tensor([int(refused)], dtype=torch.int64, device=_device(self.backend))
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self.group.allreduce([flag], opts).wait()
+        return int(flag.item())
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([tensor], opts).wait()
+
+
+class WeightSender(_Member):
+    """Weight-group rank 0 (the trainer's rank 0): hosts the store at `address` (port 0: any free port; see
+    .address) and sends every round. The group is built at the first send, once every receiver has joined."""
+
+    def __init__(self, address: str, world: int, backend: str = "gloo", timeout: float = 300.0):
+        if world < 2:
+            raise ValueError(f"weight-sync world={world}: the trainer plus at least one generator rank")
+        host, port = parse_address(address)
+        store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        super().__init__(store, 0, world, backend, timeout)
+        self.address = f"{host}:{store.port}"
+
+    def send(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Broadcasts every tensor of `weights` (the full replica, HF names), cast to the receivers' dtype."""
+        prefix = self._begin()
+        receivers = range(1, self.world)
+        self.store.wait([f"{prefix}dtype/{r}" for r in receivers], self.timeout)
+        dtypes = {self.store.get(f"{prefix}dtype/{r}").decode() for r in receivers}
+        names = sorted(weights)
+        manifest = {"version": version, "dtype": sorted(dtypes)[0],
+                    "tensors": [[name, list(weights[name].shape)] for name in names]}
+        self.store.set(f"{prefix}manifest", json.dumps(manifest))
+        refusals = self._refusals(len(dtypes) > 1)
+        if refusals:
+            reasons = [self.store.get(f"{prefix}refused/{r}").decode() for r in receivers
+                       if self.store.check([f"{prefix}refused/{r}"])]
+            if len(dtypes) > 1:
+                reasons.append(f"the generator ranks hold different dtypes {sorted(dtypes)}; use one dtype per job")
+            raise WeightSyncError(f"weight version {version} refused: " + "; ".join(reasons))
+        dtype, device = getattr(torch, manifest["dtype"]), _device(self.backend)
+        with torch.no_grad():
+            for name in names:
+                self._broadcast(weights[name].detach().to(device=device, dtype=dtype).contiguous())
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+        self.group = None
+
+
+class WeightReceiver(_Member):
+    """A generator rank's end: weight-group rank `rank` (the pod's rank_offset + its rank in the pod)."""
+
+    def __init__(self, address: str, world: int, rank: int, backend: str = "gloo", timeout: float = 300.0):
+        if not 1 <= rank < world:
+            raise ValueError(f"weight-sync rank {rank} is outside 1..{world - 1} (rank 0 is the trainer)")
+        host, port = parse_address(address)
+        store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
+        super().__init__(store, rank, world, backend, timeout)
+
+    def receive(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Overwrites every tensor of `weights` in place with the sender's; `version` is what this pod was told to
+        expect. Raises WeightSyncError, weights unchanged, when any member refuses the round."""
+        prefix = self._begin()
+        dtypes = {str(t.dtype).removeprefix("torch.") for t in weights.values()}
+        self.store.set(f"{prefix}dtype/{self.rank}", dtypes.pop() if len(dtypes) == 1 else "mixed")
+        manifest = json.loads(self.store.get(f"{prefix}manifest"))
+        problem = self._check(manifest, weights, version)
+        if problem:
+            self.store.set(f"{prefix}refused/{self.rank}", f"rank {self.rank}: {problem}")
+        if self._refusals(problem is not None):
+            raise WeightSyncError(problem or f"weight version {manifest['version']} refused by another rank")
+        for name in sorted(weights):
+            self._broadcast(weights[name])
+
+    @staticmethod
+    def _check(manifest: dict, weights: dict[str, torch.Tensor], version: int) -> str | None:
+        if manifest["version"] != version:
+            return (f"the trainer sent version {manifest['version']}, this pod expects version {version} "
+                    f"(POST /v1/weights announces the version the next send carries)")
+        sent = {name: tuple(shape) for name, shape in manifest["tensors"]}
+        held = {name: tuple(t.shape) for name, t in weights.items()}
+        if sent.keys() != held.keys():
+            return (f"the trainer's tensors differ from this replica's: missing {sorted(held.keys() - sent.keys())}, "
+                    f"unexpected {sorted(sent.keys() - held.keys())}; both must be the same model")
+        wrong = [f"{n} {sent[n]} vs {held[n]}" for n in sorted(sent) if sent[n] != held[n]]
+        if wrong:
+            return f"tensor shapes differ (sent vs held): {', '.join(wrong[:5])}"
+        if any(str(t.dtype).removeprefix("torch.") != manifest["dtype"] for t in weights.values()):
+            return f"the trainer sends {manifest['dtype']}, this replica holds other dtypes"
+        return None
