@@ -1,0 +1,235 @@
+"""`pat run JOB.yaml`: an RLHFJob as local processes -- the gang the operator runs as pods, on one machine.
+
+Prepares the run folder (validated job, tiny model with its tokenizer, job token), starts the generator pods and
+then the trainer ranks, and supervises them as one gang: when any process fails, every process is stopped and
+the gang starts again (at most spec.runPolicy.backoffLimit times); the trainer resumes from its last checkpoint.
+While it runs it polls the pods' state (the layout timeline) and shows progress; at the end it writes the
+summary and plots (report.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+from tqdm import tqdm
+
+from pat_operator.api import ModelSource, RLHFJob
+from pat_operator.podclient import PodClient
+
+from . import report
+from .engine.tiny import make_tiny_model
+from .trainer import data
+
+READY_TIMEOUT_S = 600
+POLL_S = 0.1
+DATASET_VOCAB = 64  # tokens of a tokenizer trained on the dataset
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare(job: RLHFJob, run_dir: Path) -> Path:
+    """Writes the run folder's inputs once (a rerun into the same folder resumes with them); returns the model."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = job.spec
+    (run_dir / "job.yaml").write_text(yaml.safe_dump(job.model_dump(by_alias=True, exclude_none=True),
+                                                     sort_keys=False))
+    token = run_dir / "token"
+    if not token.exists():
+        token.write_text(secrets.token_urlsafe(32))
+        token.chmod(0o600)
+    if spec.model.path:
+        return Path(spec.model.path)
+    model = run_dir / "model"
+    if not (model / "config.json").exists():
+        tiny = spec.model.tiny
+        tokenizer = None
+        if tiny.tokenizer == "dataset":  # a small vocabulary learns faster than 256 bytes would
+            problems = data.load_problems(spec.dataset, base_dir=run_dir)
+            corpus = [f"{p.prompt} #### {p.answer} \\boxed{{{p.answer}}}" for p in problems]  # answer formats too
+            tokenizer = data.train_tokenizer(corpus, DATASET_VOCAB, run_dir / "tokenizer")
+        make_tiny_model(model, family=tiny.family, preset=tiny.preset, seed=tiny.seed, tokenizer=tokenizer)
+    return model
+
+
+@dataclass
+class Gang:
+    """The processes of one attempt."""
+    attempt: int
+    pods: list[str]
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def failed(self) -> str | None:
+        for name, p in self.procs.items():
+            if p.poll() not in (None, 0):
+                return f"{name} exited with code {p.returncode}"
+        return None
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in self.procs.values():
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+class LocalRun:
+    def __init__(self, job: RLHFJob, run_dir: Path, progress: bool = True):
+        self.job, self.spec, self.run_dir = job, job.spec, run_dir
+        self.progress = progress
+        self.logs = run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.model = prepare(job, run_dir)
+        self.token = (run_dir / "token").read_text().strip()
+
+    def _spawn(self, gang: Gang, name: str, argv: list[str], env: dict[str, str]) -> None:
+        log = open(self.logs / f"{name}.attempt{gang.attempt}.log", "w")
+        gang.procs[name] = subprocess.Popen([sys.executable, "-m", "pat_workers.cli", *argv], stdout=log,
+                                            stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                            start_new_session=True)
+        (self.run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in gang.procs.items()}))
+
+    def _start_pods(self, attempt: int) -> Gang:
+        spec, g, a = self.spec, self.spec.generator, self.spec.adaptive_tp
+        ports = [free_port() for _ in range(g.replicas)]
+        gang = Gang(attempt, [f"http://127.0.0.1:{p}" for p in ports])
+        for i, port in enumerate(ports):
+            controller = a.controller if a.enabled else "operator"  # off: no plans ever arrive
+            self._spawn(gang, f"generator-{i}", [
+                "generator", "--model", str(self.model), "--ranks", str(g.ranks_per_pod), "--host", "127.0.0.1",
+                "--port", str(port), "--token-file", str(self.run_dir / "token"), "--controller", controller,
+                "--margin", str(a.margin), "--cooldown-steps", str(a.cooldown_steps), "--migration", a.migration,
+                "--max-batch", str(g.max_batch), "--max-seq", str(g.max_seq), "--dtype", g.dtype,
+                *(["--profile", a.profile] if a.profile else []),
+            ], {"PAT_ATTEMPT": str(attempt)})
+        return gang
+
+    def _start_trainers(self, gang: Gang) -> None:
+        n, master, weights = self.spec.trainer.replicas, free_port(), free_port()
+        for rank in range(n):
+            self._spawn(gang, f"trainer-{rank}", [
+                "trainer", "--job", str(self.run_dir / "job.yaml"), "--model", str(self.model),
+                "--run-dir", str(self.run_dir), "--generators", ",".join(gang.pods),
+                "--token-file", str(self.run_dir / "token"), "--weight-address", f"127.0.0.1:{weights}",
+            ], {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master), "PAT_ATTEMPT": str(gang.attempt), "PAT_LOCAL": "1"})
+
+    async def _wait_ready(self, gang: Gang, session: aiohttp.ClientSession) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for url in gang.pods:
+            while True:
+                if (why := gang.failed()) is not None:
+                    raise LaunchError(why)
+                try:
+                    async with session.get(url + "/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"{url} not ready after {READY_TIMEOUT_S} s")
+                await asyncio.sleep(0.2)
+
+    async def _attempt(self, attempt: int, bar: tqdm | None) -> str | None:
+        """Runs one gang until the trainer finishes (None) or a process fails (the reason)."""
+        gang = self._start_pods(attempt)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await self._wait_ready(gang, session)
+                self._start_trainers(gang)
+                clients = [PodClient(url, self.token, session) for url in gang.pods]
+                with open(self.run_dir / "timeline.jsonl", "a") as timeline:
+                    while True:
+                        if (why := gang.failed()) is not None:
+                            return why
+                        if gang.procs["trainer-0"].poll() == 0:
+                            return None
+                        states = await asyncio.gather(*(c.state() for c in clients), return_exceptions=True)
+                        now = time.time()
+                        for i, s in enumerate(states):
+                            if not isinstance(s, Exception):
+                                timeline.write(json.dumps({"time": now, "attempt": attempt, "pod": i,
+                                                           **s.model_dump()}) + "\n")
+                        if bar is not None:
+                            self._show(bar, [s for s in states if not isinstance(s, Exception)])
+                        await asyncio.sleep(POLL_S)
+        except LaunchError as e:
+            return str(e)
+        finally:
+            gang.stop()
+
+    def _show(self, bar: tqdm, states: list) -> None:
+        rows = report.read_jsonl(self.run_dir / "metrics.jsonl")
+        bar.n = len(rows)
+        post = {}
+        if rows:
+            post["reward"] = f"{rows[-1]['reward_mean']:.3f}"
+            post["tok/s"] = f"{rows[-1]['tokens_per_second']:.0f}"
+        if states:
+            post["layout"] = " ".join(str(tuple(s.layout)) for s in states)
+            post["running"] = sum(g.running + g.waiting for s in states for g in s.groups)
+        bar.set_postfix(post, refresh=False)
+        bar.update(0)  # redraws at most every mininterval
+
+    def run(self) -> dict:
+        started = time.time()
+        restarts: list[dict] = []
+        bar = tqdm(total=self.spec.algorithm.iterations, desc=self.job.metadata.name, unit="it",
+                   disable=not self.progress, file=sys.stderr, dynamic_ncols=True,
+                   mininterval=0.25 if sys.stderr.isatty() else 10)
+        try:
+            attempt = 0
+            while (why := asyncio.run(self._attempt(attempt, bar))) is not None:
+                restarts.append({"attempt": attempt, "time": time.time(), "reason": why})
+                tqdm.write(f"attempt {attempt} failed: {why}; logs in {self.logs}", file=sys.stderr)
+                if len(restarts) > self.spec.run_policy.backoff_limit:
+                    raise LaunchError(f"the job failed {len(restarts)} times (runPolicy.backoffLimit="
+                                      f"{self.spec.run_policy.backoff_limit}); last: {why}")
+                attempt += 1
+        finally:
+            bar.close()
+        return {"seconds": time.time() - started, "restarts": restarts}
+
+
+def baseline_of(job: RLHFJob, model: Path) -> RLHFJob:
+    """The same job with adaptive TP off, on the same model."""
+    spec = job.spec.model_copy(update={
+        "adaptive_tp": job.spec.adaptive_tp.model_copy(update={"enabled": False}),
+        "model": ModelSource(path=str(model.resolve()))})
+    return job.model_copy(update={"spec": spec})
+
+
+def run(job: RLHFJob, run_dir: Path, baseline: bool = False, progress: bool = True) -> Path:
+    """Runs the job (and, with `baseline`, the same job with adaptive TP off); returns summary.json."""
+    main = LocalRun(job, run_dir, progress)
+    outcome = main.run()
+    compared = None
+    if baseline:
+        compared = run_dir / "baseline"
+        print("baseline: the same job with adaptive TP off", file=sys.stderr, flush=True)
+        LocalRun(baseline_of(job, main.model), compared, progress).run()
+    return report.write(run_dir, job, outcome, compared)
