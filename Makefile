@@ -18,10 +18,9 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The example RLHFJob as local processes with adaptive TP, then the same job with it off, side by side.
 run: $(STAMP)
-	@echo "make run (a whole local RLHF job) arrives with issue 3 (trainer + generator pods)."
-	@echo "Meanwhile: make bench-quick runs one long-tailed rollout batch with adaptive TP."
-	@exit 2
+	$(VENV)/bin/pat run examples/local.yaml --baseline
 
 bench: $(STAMP)
 	$(PY) bench/tail.py

@@ -75,6 +75,9 @@ class Dataset(_Model):
 class Reward(_Model):
     function: str = Field("math", description="math (built in) or a plugin as module:function")
     format_score: float = Field(0.0, ge=0, le=1, description="math: reward of a well-formed but wrong answer")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong punishment: a response longer than "
+                                 "maxResponseTokens - overlongBuffer loses up to overlongPenalty, linearly; 0: off")
+    overlong_penalty: float = Field(1.0, ge=0)
 
     @model_validator(mode="after")
     def _known(self) -> Reward:
@@ -154,6 +157,14 @@ class RLHFJobSpec(_Model):
 
     @model_validator(mode="after")
     def _fits(self) -> RLHFJobSpec:
+        responses = self.algorithm.prompts_per_iteration * self.algorithm.samples_per_prompt
+        if responses < self.algorithm.mini_batches * self.trainer.replicas:
+            raise ValueError(f"{responses} responses per iteration cannot give each of trainer.replicas="
+                             f"{self.trainer.replicas} ranks a share of algorithm.miniBatches="
+                             f"{self.algorithm.mini_batches} mini-batches; lower one of them")
+        if self.reward.overlong_buffer >= self.algorithm.max_response_tokens:
+            raise ValueError(f"reward.overlongBuffer={self.reward.overlong_buffer} must be below "
+                             f"algorithm.maxResponseTokens={self.algorithm.max_response_tokens}")
         if self.algorithm.max_response_tokens >= self.generator.max_seq:
             raise ValueError(f"algorithm.maxResponseTokens={self.algorithm.max_response_tokens} leaves no room "
                              f"for the prompt in generator.maxSeq={self.generator.max_seq}; raise maxSeq")

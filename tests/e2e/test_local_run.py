@@ -67,11 +67,15 @@ def example_run(tmp_path_factory) -> tuple[Path, dict, subprocess.CompletedProce
 
 
 def test_the_example_learns(example_run):
-    """Mean reward of the last quarter of iterations against the first quarter, in standard errors of the
-    per-iteration means: more than 3 (a 0.1% one-sided chance as noise), and at least 0.1 reward."""
+    """The last quarter of iterations against the first, in standard errors of the per-iteration means (z > 3:
+    a 0.1% one-sided chance as noise between iterations). The score (math reward alone: 0.1 for a well-formed
+    wrong answer, 1 for a right one) must rise by 0.03, i.e. right answers replace wrong ones well beyond the
+    format credit; the shaped reward (with the overlong penalty) rises too. Seeds are fixed, so this is one
+    deterministic run, and z says its gain is not iteration-to-iteration noise."""
     _, summary, _ = example_run
-    lr = summary["learning"]
-    assert lr["gain"] > 0.1 and lr["z"] > 3, lr
+    score, reward = summary["learning_score"], summary["learning"]
+    assert score["gain"] > 0.03 and score["z"] > 3, score
+    assert reward["gain"] > 0.1 and reward["z"] > 2, reward
 
 
 def test_the_example_reports_what_adaptive_tp_did(example_run):
@@ -122,9 +126,12 @@ def test_killed_processes_resume_exactly(tmp_path):
     by_attempt = summary["iterations_by_attempt"]
     assert sorted(i for its in by_attempt.values() for i in its) == list(range(1, 9))  # each exactly once
     assert min(by_attempt["1"]) in (3, 5) and min(by_attempt["2"]) in (5, 7)  # resumed after a checkpoint
-    assert rollouts(crashed) == rollouts(reference)
+    assert rollouts(crashed) == rollouts(reference)  # every token of every iteration
+    # Weights: equal up to CPU float nondeterminism (two uninterrupted runs differ by ~4e-7 here too: oneDNN/MKL
+    # results depend on memory alignment); a lost or repeated optimizer step would move them by ~1e-3.
     ref, got = final_weights(reference), final_weights(crashed)
-    assert ref.keys() == got.keys() and all((ref[k] == got[k]).all() for k in ref)
+    assert ref.keys() == got.keys()
+    assert max((ref[k] - got[k]).abs().max().item() for k in ref) < 1e-5
 
 
 def _children(pid: int) -> list[int]:
@@ -135,12 +142,21 @@ def _children(pid: int) -> list[int]:
 
 
 def test_adaptive_tp_on_and_off_greedy_give_identical_tokens(tmp_path):
+    # Greedy, the tiny policy never stops before the cap, so a batch has no tail to merge in (mid-batch merges
+    # with KV migration are covered by tests/engine and tests/generator). An offline profile in which TP=2 is
+    # faster at every batch size makes the pod regroup at the batch boundary, whatever this machine measures:
+    # the adaptive run then generates at TP=2 what the fixed run generates at TP=1.
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"1": {"1": 0.004, "64": 0.012}, "2": {"1": 0.002, "64": 0.006}}))
     job = write_job(tmp_path, "greedy", **{"algorithm.iterations": 2, "algorithm.temperature": 0,
-                                           "algorithm.promptsPerIteration": 8})
+                                           "algorithm.promptsPerIteration": 8, "adaptiveTP.profile": str(profile),
+                                           "trainer.replicas": 2})  # and the loop's DDP path
     run_dir = tmp_path / "run"
     done = pat("run", str(job), "--run-dir", str(run_dir), "--baseline", "--no-progress")
     assert done.returncode == 0, done.stderr[-4000:]
-    compared = json.loads((run_dir / "summary.json").read_text())["adaptive_vs_fixed"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["regroups"] >= 1 and summary["per_iteration"][0]["layouts"] == [[2]], summary["per_iteration"]
+    compared = summary["adaptive_vs_fixed"]
     assert compared["responses_compared"] == 2 * 8 * 8 and compared["identical_tokens"], compared
     assert compared["generate_seconds_fixed"] > 0 and compared["generate_seconds_adaptive"] > 0
 

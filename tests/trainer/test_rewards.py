@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from pat_operator.api import Reward
-from pat_workers.trainer.rewards import extract_answer, load_reward, math_reward
+from pat_workers.trainer.rewards import extract_answer, load_reward, math_reward, overlong_penalty
 
 CASES = [
     # (response, reference answer, reward)
@@ -26,6 +26,9 @@ CASES = [
     ("The total is 72 dollars.\n#### 72.", "72", 1.0),  # GSM8K marker, trailing period
     ("#### 1,234\nextra line", "Natalia sold 1234 clips.\n#### 1,234", 1.0),  # the reference is a GSM8K solution
     ("#### 5 \\boxed{6}", "6", 1.0),  # whichever answer comes last
+    ("3+4= #### 7 3+1=", "7", 1.0),  # a number after #### is the answer, whatever follows it
+    ("#### 17+", "7", 0.0),  # ... but only a number right after it
+    ("#### seven", "seven", 1.0),  # no number: the rest of the line
     ("\\boxed{6} #### 5", "6", 0.0),
     ("\\boxed{1,2}", "1,2", 1.0),  # not a number: compared as text
     ("\\boxed{(1, 2)}", "(1,2)", 1.0),
@@ -88,3 +91,10 @@ def test_load_reward_plugin_errors_name_the_field_and_fix(plugin_dir, function, 
     with pytest.raises(ValueError, match="reward.function=") as e:
         load_reward(Reward(function=function))
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("length, expected", [(0, 0.0), (32, 0.0), (36, -0.25), (40, -0.5), (48, -1.0), (60, -1.0)])
+def test_overlong_penalty_by_hand(length, expected):
+    # max 48 tokens, buffer 16: free up to 32, then -1/16 per token
+    assert overlong_penalty(length, 48, 16) == pytest.approx(expected)
+    assert overlong_penalty(length, 48, 0) == 0.0  # off

@@ -27,16 +27,16 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def learning(rows: list[dict]) -> dict:
-    """Mean reward of the last k iterations against the first k, with the difference in standard errors.
+def learning(rows: list[dict], key: str = "reward_mean") -> dict:
+    """Mean reward (`key`) of the last k iterations against the first k, with the difference in standard errors.
 
     The standard error uses the spread of the per-iteration means, so that 'z' says how unlikely the gain would
     be as noise between iterations (z > 3: not luck)."""
     k = max(2, len(rows) // 4)
     if len(rows) < 2 * k:
         return {"iterations_compared": 0}
-    first = [r["reward_mean"] for r in rows[:k]]
-    last = [r["reward_mean"] for r in rows[-k:]]
+    first = [r[key] for r in rows[:k]]
+    last = [r[key] for r in rows[-k:]]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     var = lambda xs: sum((x - mean(xs)) ** 2 for x in xs) / (len(xs) - 1)  # noqa: E731
     se = math.sqrt(var(first) / k + var(last) / k) or 1e-12
@@ -69,6 +69,7 @@ def compare(run_dir: Path, baseline_dir: Path) -> dict:
     ours, theirs = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(baseline_dir / "metrics.jsonl")
     gen = lambda rows: sum(r["seconds"]["generate"] for r in rows)  # noqa: E731
     responses = mismatched = 0
+    first_difference = None
     for path in sorted((run_dir / "rollouts").glob("iter-*.json")):
         other = baseline_dir / "rollouts" / path.name
         if not other.exists():
@@ -76,20 +77,26 @@ def compare(run_dir: Path, baseline_dir: Path) -> dict:
         theirs_by_id = {r["id"]: r["tokens"] for r in json.loads(other.read_text())}
         for r in json.loads(path.read_text()):
             responses += 1
-            mismatched += theirs_by_id.get(r["id"]) != r["tokens"]
+            if theirs_by_id.get(r["id"]) != r["tokens"]:
+                mismatched += 1
+                first_difference = first_difference or path.stem
     return {"generate_seconds_adaptive": gen(ours), "generate_seconds_fixed": gen(theirs),
             "generate_ratio": gen(ours) / gen(theirs) if theirs else None,
             "responses_compared": responses, "responses_differing": mismatched,
+            # Sampled runs part ways at the first token that float sums in another order flip; from then on
+            # the policies differ. Greedy runs stay identical.
+            "first_differing_iteration": first_difference,
             "identical_tokens": responses > 0 and mismatched == 0}
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'iter':>4} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'regroups':>8} {'reward':>7} {'resp len':>8} " \
-           f"{'tok/s':>7}"
+    head = f"{'iter':>4} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'regroups':>8} {'reward':>7} {'score':>6} " \
+           f"{'resp len':>8} {'tok/s':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['iteration']:>4} " + " ".join(f"{r['seconds'].get(p, 0.0):>9.2f}" for p in PHASES)
-                     + f" {r.get('regroups', 0):>8} {r['reward_mean']:>7.3f} {r['response_tokens_mean']:>8.1f}"
+                     + f" {r.get('regroups', 0):>8} {r['reward_mean']:>7.3f} {r['score_mean']:>6.3f}"
+                       f" {r['response_tokens_mean']:>8.1f}"
                        f" {r['tokens_per_second']:>7.0f}")
     return "\n".join(lines)
 
@@ -158,6 +165,7 @@ def write(run_dir: Path, job: RLHFJob, outcome: dict, baseline_dir: Path | None 
         "adaptive_tp": job.spec.adaptive_tp.model_dump(by_alias=True),
         "layouts": layout_time(timeline),
         "learning": learning(rows),
+        "learning_score": learning(rows, "score_mean"),  # the reward function alone, without length shaping
         "per_iteration": rows,
         "plots": plots(run_dir, rows, timeline),
     }
@@ -166,10 +174,10 @@ def write(run_dir: Path, job: RLHFJob, outcome: dict, baseline_dir: Path | None 
     path = run_dir / "summary.json"
     path.write_text(json.dumps(summary, indent=2))
     print(table(rows))
-    lr = summary["learning"]
-    if lr.get("iterations_compared"):
-        print(f"reward: first {lr['iterations_compared']} iterations {lr['first_reward_mean']:.3f} -> last "
-              f"{lr['last_reward_mean']:.3f} ({lr['gain']:+.3f}, {lr['z']:.1f} standard errors)")
+    for name, lr in (("reward", summary["learning"]), ("score (reward function alone)", summary["learning_score"])):
+        if lr.get("iterations_compared"):
+            print(f"{name}: first {lr['iterations_compared']} iterations {lr['first_reward_mean']:.3f} -> last "
+                  f"{lr['last_reward_mean']:.3f} ({lr['gain']:+.3f}, {lr['z']:.1f} standard errors)")
     busy = {pod: {k: round(v, 2) for k, v in d["busy_seconds_by_layout"].items()}
             for pod, d in summary["layouts"].items()}
     print(f"adaptive TP: {summary['regroups']} regroups; seconds generating per layout: {busy}")
@@ -177,7 +185,8 @@ def write(run_dir: Path, job: RLHFJob, outcome: dict, baseline_dir: Path | None 
         c = summary["adaptive_vs_fixed"]
         print(f"generation: adaptive {c['generate_seconds_adaptive']:.2f} s vs fixed TP=1 "
               f"{c['generate_seconds_fixed']:.2f} s (ratio {c['generate_ratio']:.3f}); "
-              f"{c['responses_differing']} of {c['responses_compared']} responses differ")
+              f"{c['responses_differing']} of {c['responses_compared']} responses differ"
+              + (f" (from {c['first_differing_iteration']} on)" if c["first_differing_iteration"] else ""))
     print(f"restarts: {len(outcome['restarts'])}; wall {outcome['seconds']:.1f} s; plots: "
           f"{', '.join(summary['plots'])}")
     return path

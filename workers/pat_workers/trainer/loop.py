@@ -30,7 +30,7 @@ from ..engine.loader import load_tokenizer
 from ..weightsync import WeightSender
 from . import checkpoint, data, grpo
 from .policy import Policy, response_logprobs
-from .rewards import load_reward
+from .rewards import load_reward, overlong_penalty
 
 MASK63 = (1 << 63) - 1
 
@@ -154,13 +154,13 @@ class Trainer:
             completions, row = self._generate(it, indices)
             seconds["generate"] = time.perf_counter() - t
             t = time.perf_counter()
-            rollouts = self._score(indices, completions)
+            rollouts, row["score_mean"] = self._score(indices, completions)
             seconds["reward"] = time.perf_counter() - t
         else:
             rollouts = None
         t = time.perf_counter()
         rollouts = self._share(rollouts)
-        stats = self._train(rollouts[self.rank::self.world])
+        stats = self._train(rollouts)
         seconds["train"] = time.perf_counter() - t
         self.iteration = it
         if self.rank == 0:
@@ -209,9 +209,10 @@ class Trainer:
                "layouts": [after.layout for _, _, after in results]}
         return completions, row
 
-    def _score(self, indices: list[int], completions: dict[str, dict]) -> list[Rollout]:
-        alg = self.alg
-        rollouts, rewards = [], []
+    def _score(self, indices: list[int], completions: dict[str, dict]) -> tuple[list[Rollout], float]:
+        """Rollouts with rewards and group advantages, and the mean of the reward function's own scores."""
+        alg, shaping = self.alg, self.spec.reward
+        rollouts, rewards, scores = [], [], []
         record = []
         for j, index in enumerate(indices):
             problem = self.problems[index]
@@ -219,7 +220,10 @@ class Trainer:
             for g in range(alg.samples_per_prompt):
                 c = completions[f"{j}.{g}"]
                 text = self.tokenizer.decode(c["token_ids"])
-                reward = float(self.reward(text, problem.answer))
+                score = float(self.reward(text, problem.answer))
+                reward = score + overlong_penalty(len(c["token_ids"]), alg.max_response_tokens,
+                                                  shaping.overlong_buffer, shaping.overlong_penalty)
+                scores.append(score)
                 rewards.append(reward)
                 rollouts.append(Rollout(prompt_ids, c["token_ids"], c["logprobs"], reward, 0.0))
                 record.append({"id": f"{index}.{g}", "tokens": c["token_ids"], "reward": reward})
@@ -229,7 +233,7 @@ class Trainer:
             r.advantage = a
         path = self.run_dir / "rollouts" / f"iter-{self.iteration + 1:04d}.json"
         path.write_text(json.dumps(record))
-        return rollouts
+        return rollouts, sum(scores) / len(scores)
 
     def _share(self, rollouts: list[Rollout] | None) -> list[Rollout]:
         if self.world == 1:
@@ -239,8 +243,10 @@ class Trainer:
         return box[0]
 
     def _train(self, rollouts: list[Rollout]) -> dict[str, float]:
+        """One optimizer step per mini-batch; each rank takes its share of every mini-batch, so that the steps
+        are those of one rank on the whole mini-batch (DDP averages the gradients)."""
         alg = self.alg
-        chunks = [rollouts[i::alg.mini_batches] for i in range(alg.mini_batches) if rollouts[i::alg.mini_batches]]
+        chunks = [rollouts[i::alg.mini_batches][self.rank::self.world] for i in range(alg.mini_batches)]
         totals: dict[str, float] = {}
         for chunk in chunks:
             tokens, prompt_lens, response_lens = _pack(chunk, self.device)
@@ -265,10 +271,11 @@ class Trainer:
             stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), alg.grad_clip).item()
             self.optimizer.step()
             stats["entropy"] = entropy.item()
-            # How far the engine's logprobs are from the trainer's (same weights): checks the weight sync.
-            stats["logprob_gap"] = ((logprobs.detach() - old).abs() * mask).sum().item() / mask.sum().item()
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value / len(chunks)
+            if "logprob_gap" not in totals:  # before the first step the trainer's weights are the engine's:
+                # how far the engine's logprobs are from the trainer's checks the weight sync
+                totals["logprob_gap"] = ((logprobs.detach() - old).abs() * mask).sum().item() / mask.sum().item()
         totals.setdefault("kl", 0.0)
         return totals
 

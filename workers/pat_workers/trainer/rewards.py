@@ -18,6 +18,7 @@ _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d*)?")
 _SLASH_FRACTION = re.compile(r"([-+]?\d+)/([-+]?\d+)")
 _LATEX_FRACTION = re.compile(r"(-?)\\[dt]?frac\{([-+]?\d+)\}\{([-+]?\d+)\}")
+_LEADING_NUMBER = re.compile(r"\$?[-+]?(\d[\d,]*(\.\d+)?(/\d+)?|\.\d+)")
 
 
 def _last_boxed(text: str) -> tuple[int, str] | None:
@@ -34,13 +35,16 @@ def _last_boxed(text: str) -> tuple[int, str] | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer: the content of the last \\boxed{...} or the line after the last ####, whichever
-    comes later in the text; None when there is neither."""
+    """The final answer: the content of the last \\boxed{...} or what follows the last ####, whichever comes
+    later in the text; None when there is neither. After ####, a number is the answer whatever follows it (as
+    GSM8K graders read "#### 72"); otherwise the rest of the line is."""
     found = []
     if (boxed := _last_boxed(text)) is not None:
         found.append(boxed)
     if (marker := text.rfind(_MARKER)) >= 0:
-        found.append((marker, text[marker + len(_MARKER):].strip().split("\n")[0]))
+        rest = text[marker + len(_MARKER):].lstrip()
+        number = _LEADING_NUMBER.match(rest)
+        found.append((marker, number[0].rstrip(",") if number else rest.split("\n")[0].strip()))
     return max(found)[1] if found else None
 
 
@@ -79,6 +83,15 @@ def math_reward(response: str, answer: str, format_score: float = 0.0) -> float:
         return 0.0
     expected = extract_answer(answer)
     return 1.0 if answers_match(given, answer if expected is None else expected) else format_score
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_tokens - buffer tokens, then falling linearly to -penalty at
+    max_tokens, so that the policy learns to finish before the cap instead of being cut off."""
+    if buffer <= 0:
+        return 0.0
+    over = length - (max_tokens - buffer)
+    return -penalty * min(max(over, 0), buffer) / buffer
 
 
 def load_reward(spec: Reward) -> RewardFn:
