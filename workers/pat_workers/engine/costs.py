@@ -54,7 +54,7 @@ def _timed(fn, repeats: int, device: torch.device) -> float:
 
 
 def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], batches: list[int],
-            context: int = 64, repeats: int = 3) -> Costs:
+            context: int = 64, repeats: int = 7) -> Costs:
     """Collective over the pod's ranks."""
     rank, world = pool.rank, pool.world
     device = model.device

@@ -35,7 +35,9 @@ class EngineOptions:
     migration: str = "auto"  # auto | kv | recompute
     comm_backend: str = "auto"  # auto | shm | gloo | nccl
     comm_timeout: float = 60.0
-    profile_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # decode profile per TP (capped at capacity)
+    # Batch sizes of the decode profile per TP; () = the powers of two up to the pod's capacity, so that the
+    # planner interpolates over the whole range a batch can take instead of extrapolating.
+    profile_batches: tuple[int, ...] = ()
     threads: int = 1  # torch threads per rank on CPU
     device: str = "auto"  # auto (CUDA when there is a GPU per rank) | cuda | cpu
 
@@ -51,6 +53,10 @@ class EngineOptions:
         ):
             if not ok:
                 raise ValueError(f"engine option {name}={getattr(self, name)!r} is invalid: {fix}")
+
+
+def _powers_of_two(up_to: int) -> list[int]:
+    return [1 << i for i in range(up_to.bit_length()) if 1 << i <= up_to] + [up_to]
 
 
 def _device(rank: int, world: int, choice: str) -> torch.device:
@@ -81,7 +87,8 @@ def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_m
             model = Transformer(cfg, weights)
             engine = Engine(model, pool, max_batch=opts.max_batch, max_seq=opts.max_seq)
             tp_sizes = cfg.tp_sizes(world)
-            batches = sorted({b for b in opts.profile_batches if b <= opts.max_batch * max(tp_sizes)})
+            capacity = opts.max_batch * max(tp_sizes)
+            batches = sorted({b for b in opts.profile_batches or _powers_of_two(capacity) if b <= capacity})
             costs = measure(model, pool, tp_sizes, batches)
             events.put(("ready", rank, costs if rank == 0 else None, tp_sizes))
             _serve(engine, costs, opts, commands[rank], events)

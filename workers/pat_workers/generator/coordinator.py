@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,6 +46,8 @@ LENGTH_HISTORY = 4096  # response lengths of earlier batches the planner's lengt
 # allocation. RegroupReport.seconds["total"] of a regroup with nothing to move is 1-3 ms on a 2-core CPU over
 # shared memory; 5 ms is on the safe side there and for NCCL.
 REGROUP_FIXED_SECONDS = 0.005
+REPLAN_STEPS = 16  # group steps between plans while no request finishes
+PLAN_SPACING = 20  # at least this many plans' durations between two plans
 
 
 class PodError(Exception):
@@ -118,6 +120,9 @@ class Coordinator:
         self._on_exit: Callable[[], None] | None = None
         self._batches: OrderedDict[str, _Batch] = OrderedDict()
         self._batch: _Batch | None = None  # the newest batch
+        self._planned_for: int | None = None  # unfinished requests at the last plan
+        self._steps_unplanned = 0
+        self._next_plan = 0.0  # perf_counter time before which the pod does not plan again
         self._lengths: deque[int] = deque(maxlen=LENGTH_HISTORY)
         self._last_outcome: Literal["applied", "unchanged", "fallback"] = "unchanged"
         self._receiving: int | None = None  # the weight version the ranks were sent into
@@ -253,8 +258,19 @@ class Coordinator:
         if self.controller is None or not self._generating():
             return
         self.controller.step()
+        # Re-plan when a request finished (else every REPLAN_STEPS: between finishes a decision barely changes),
+        # and no sooner than PLAN_SPACING plans' durations after the last one: a plan is ms of Python, CPU that
+        # the ranks need on a small host, so planning stays under ~1/PLAN_SPACING of a core.
+        unfinished, self._steps_unplanned = sum(self.gen.loads().values()), self._steps_unplanned + 1
+        if unfinished == self._planned_for and self._steps_unplanned < REPLAN_STEPS:
+            return
+        if time.perf_counter() < self._next_plan:
+            return
+        self._planned_for, self._steps_unplanned = unfinished, 0
+        started = time.perf_counter()
         decision = self.controller.decide(self.gen.layout, self.gen.running_lengths(), self.profile,
                                           self._predictor, self.costs)
+        self._next_plan = started + PLAN_SPACING * (time.perf_counter() - started)
         if decision.layout is not None:
             self._apply(decision)
             self.controller.regrouped()
@@ -352,10 +368,13 @@ class Coordinator:
         if self.controller is not None:
             max_tokens = max(r.params.max_tokens for r in requests)
             self._predictor = LengthPredictor(max_tokens, prior=list(self._lengths))
+            # Against the base layout (all TP=1), not the last batch's tail layout: nothing is cached at a
+            # boundary, so the margin must not keep a tail's merge for the next batch's bulk.
             decision = self.controller.start_batch(self.gen.world, [len(r.prompt) for r in requests], self.profile,
-                                                   self._predictor, self.costs, layout=self.gen.layout)
-            if decision.layout is not None and decision.layout != self.gen.layout:
-                self._apply(decision)  # the pod is idle: nothing to move
+                                                   self._predictor, self.costs)
+            target = decision.layout or layouts.uniform(self.gen.world)
+            if target != self.gen.layout:
+                self._apply(replace(decision, layout=target))  # the pod is idle: nothing to move
         self.gen.submit(requests)
         batch = _Batch(rollouts.batch_id, rollouts.policy_version, [r.id for r in requests])
         self._batches.pop(batch.batch_id, None)
