@@ -32,7 +32,6 @@ from . import report
 from .engine.tiny import make_tiny_model
 from .trainer import data
 
-READY_TIMEOUT_S = 600
 POLL_S = 0.1
 DATASET_VOCAB = 64  # tokens of a tokenizer trained on the dataset
 
@@ -138,29 +137,12 @@ class LocalRun:
             ], {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(master), "PAT_ATTEMPT": str(gang.attempt), "PAT_LOCAL": "1"})
 
-    async def _wait_ready(self, gang: Gang, session: aiohttp.ClientSession) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        for url in gang.pods:
-            while True:
-                if (why := gang.failed()) is not None:
-                    raise LaunchError(why)
-                try:
-                    async with session.get(url + "/readyz") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise LaunchError(f"{url} not ready after {READY_TIMEOUT_S} s")
-                await asyncio.sleep(0.2)
-
     async def _attempt(self, attempt: int, bar: tqdm | None) -> str | None:
         """Runs one gang until the trainer finishes (None) or a process fails (the reason)."""
         gang = self._start_pods(attempt)
+        self._start_trainers(gang)  # they load while the pods start, then wait until the pods are ready
         try:
             async with aiohttp.ClientSession() as session:
-                await self._wait_ready(gang, session)
-                self._start_trainers(gang)
                 clients = [PodClient(url, self.token, session) for url in gang.pods]
                 with open(self.run_dir / "timeline.jsonl", "a") as timeline:
                     while True:
@@ -177,8 +159,6 @@ class LocalRun:
                         if bar is not None:
                             self._show(bar, [s for s in states if not isinstance(s, Exception)])
                         await asyncio.sleep(POLL_S)
-        except LaunchError as e:
-            return str(e)
         finally:
             gang.stop()
 

@@ -33,6 +33,7 @@ from .policy import Policy, response_logprobs
 from .rewards import load_reward, overlong_penalty
 
 MASK63 = (1 << 63) - 1
+READY_TIMEOUT_S = 900  # generator pods load and profile the model before they are ready
 
 
 def sample_seed(seed: int, iteration: int, prompt: int, sample: int) -> int:
@@ -138,6 +139,7 @@ class Trainer:
     # -- one iteration -----------------------------------------------------------------------------------
     def run(self) -> None:
         if self.rank == 0:
+            self._wait_ready()
             self._sync_weights(self.iteration, only_if_behind=True)
         while self.iteration < self.alg.iterations:
             self.step()
@@ -279,12 +281,26 @@ class Trainer:
         totals.setdefault("kl", 0.0)
         return totals
 
+    def _wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Pods start (load, profile) while the trainer loads: wait until every one is ready."""
+        async def ready(client: PodClient, i: int):
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    if (await client.state()).ready:
+                        return
+                except aiohttp.ClientConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"generator pod {client.base_url} not ready after {timeout:.0f} s")
+                await asyncio.sleep(0.5)
+        self._pods(ready)
+
     def _sync_weights(self, version: int, only_if_behind: bool = False) -> None:
-        ranks = [s.world for s in self._pods(lambda c, i: c.state())]
-        if only_if_behind:
-            held = [s.policy_version for s in self._pods(lambda c, i: c.state())]
-            if all(h == version for h in held):
-                return
+        states = self._pods(lambda c, i: c.state())
+        if only_if_behind and all(s.policy_version == version for s in states):
+            return
+        ranks = [s.world for s in states]
         world = 1 + sum(ranks)
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         backend = "nccl" if self.device.type == "cuda" else "gloo"
