@@ -67,10 +67,10 @@ def layout_time(timeline: list[dict]) -> dict:
 def compare(run_dir: Path, baseline_dir: Path) -> dict:
     """Adaptive TP against the same job with it off: generation time and whether the tokens are the same.
 
-    Sampled runs agree token for token until float results differ enough to flip a sampled token (sums in
-    another order at TP=2, and CPU kernels that are not bitwise reproducible across processes even at one
-    layout); from then on the policies, and so the response lengths, differ. The like-for-like ratio is over the iterations that
-    generated identical tokens (all of them when greedy)."""
+    Sampled runs agree token for token until a sampled token flips: TP=2 sums in another order, so its
+    log-probabilities (which the trainer uses as the old policy's) differ in the last bits, and the weights
+    drift apart by as much; from then on the policies, and so the response lengths, differ. The like-for-like
+    ratio is over the iterations that generated identical tokens (all of them when greedy)."""
     ours = {r["iteration"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
     theirs = {r["iteration"]: r for r in read_jsonl(baseline_dir / "metrics.jsonl")}
     responses = mismatched = 0

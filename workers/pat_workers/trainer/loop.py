@@ -91,6 +91,11 @@ class Trainer:
             else torch.device("cpu")
         if self.world > 1:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method="env://")
+        # Bitwise reproducible training (a resumed run equals an uninterrupted one): on CPU the embedding and
+        # gather backward otherwise accumulate in a thread-dependent order (~1e-8 per step); cuBLAS needs a
+        # fixed workspace for the same.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(self.alg.seed)
         self.policy = Policy(model_dir, device=self.device)
         self.model = torch.nn.parallel.DistributedDataParallel(self.policy) if self.world > 1 else self.policy
