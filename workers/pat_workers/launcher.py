@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -178,9 +179,10 @@ class LocalRun:
     def run(self) -> dict:
         started = time.time()
         restarts: list[dict] = []
+        size = shutil.get_terminal_size((110, 24))  # a terminal of unknown size reports 0 x 0: tqdm hides bars
         bar = tqdm(total=self.spec.algorithm.iterations, desc=self.job.metadata.name, unit="it",
-                   disable=not self.progress, file=sys.stderr, dynamic_ncols=True,
-                   mininterval=0.25 if sys.stderr.isatty() else 10)
+                   disable=not self.progress, file=sys.stderr, mininterval=0.25 if sys.stderr.isatty() else 10,
+                   ncols=size.columns, nrows=size.lines)
         try:
             attempt = 0
             while (why := asyncio.run(self._attempt(attempt, bar))) is not None:
