@@ -23,10 +23,11 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from pat_operator import metric_names as names
 from pat_operator.api import RLHFJobSpec, load_job
-from pat_operator.podapi import RolloutBatch, RolloutRequest, Sampling, WeightUpdate
+from pat_operator.podapi import Completion, RolloutBatch, RolloutRequest, Sampling, WeightUpdate
 from pat_operator.podclient import PodClient
 
 from ..engine.loader import load_tokenizer
+from ..report import read_jsonl
 from ..weightsync import WeightSender
 from . import checkpoint, data, grpo
 from .policy import Policy, response_logprobs
@@ -129,7 +130,7 @@ class Trainer:
         self.iteration = ckpt.iteration
         if self.rank == 0:  # the log keeps what the checkpoint holds; later iterations run again
             log = self.run_dir / "metrics.jsonl"
-            rows = [r for r in _read_jsonl(log) if r["iteration"] <= ckpt.iteration]
+            rows = [r for r in read_jsonl(log) if r["iteration"] <= ckpt.iteration]
             log.write_text("".join(json.dumps(r) + "\n" for r in rows))
             print(f"resumed from {path.name}: iteration {ckpt.iteration}", flush=True)
 
@@ -158,10 +159,11 @@ class Trainer:
         indices = self.sampler.next_batch(self.alg.prompts_per_iteration)
         row: dict = {}
         if self.rank == 0:
-            completions, row = self._generate(it, indices)
+            prompts = [self.tokenizer.encode(self.problems[index].prompt).ids for index in indices]
+            completions, row = self._generate(it, indices, prompts)
             seconds["generate"] = time.perf_counter() - t
             t = time.perf_counter()
-            rollouts, row["score_mean"] = self._score(indices, completions)
+            rollouts, row["score_mean"] = self._score(indices, prompts, completions)
             seconds["reward"] = time.perf_counter() - t
         else:
             rollouts = None
@@ -190,11 +192,11 @@ class Trainer:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    def _generate(self, it: int, indices: list[int]) -> tuple[dict[str, dict], dict]:
+    def _generate(self, it: int, indices: list[int], prompts: list[list[int]]
+                  ) -> tuple[dict[str, Completion], dict]:
         alg, n_pods = self.alg, len(self.pods)
         batches: list[list[RolloutRequest]] = [[] for _ in range(n_pods)]
-        for j, index in enumerate(indices):  # a prompt's G samples go to one pod, prompts round-robin
-            prompt_ids = self.tokenizer.encode(self.problems[index].prompt).ids
+        for j, (index, prompt_ids) in enumerate(zip(indices, prompts)):  # G samples to one pod, prompts round-robin
             for g in range(alg.samples_per_prompt):
                 batches[j % n_pods].append(RolloutRequest(
                     id=f"{j}.{g}", prompt_token_ids=prompt_ids,
@@ -211,29 +213,28 @@ class Trainer:
             return done.completions, before, await client.state()
 
         results = self._pods(generate)
-        completions = {c.id: c.model_dump() for done, _, _ in results for c in done}
+        completions = {c.id: c for done, _, _ in results for c in done}
         row = {"regroups": sum(after.epoch - before.epoch for _, before, after in results),
                "layouts": [after.layout for _, _, after in results]}
         return completions, row
 
-    def _score(self, indices: list[int], completions: dict[str, dict]) -> tuple[list[Rollout], float]:
+    def _score(self, indices: list[int], prompts: list[list[int]], completions: dict[str, Completion]
+               ) -> tuple[list[Rollout], float]:
         """Rollouts with rewards and group advantages, and the mean of the reward function's own scores."""
         alg, shaping = self.alg, self.spec.reward
         rollouts, rewards, scores = [], [], []
         record = []
-        for j, index in enumerate(indices):
-            problem = self.problems[index]
-            prompt_ids = self.tokenizer.encode(problem.prompt).ids
+        for j, (index, prompt_ids) in enumerate(zip(indices, prompts)):
+            answer = self.problems[index].answer
             for g in range(alg.samples_per_prompt):
                 c = completions[f"{j}.{g}"]
-                text = self.tokenizer.decode(c["token_ids"])
-                score = float(self.reward(text, problem.answer))
-                reward = score + overlong_penalty(len(c["token_ids"]), alg.max_response_tokens,
+                score = float(self.reward(self.tokenizer.decode(c.token_ids), answer))
+                reward = score + overlong_penalty(len(c.token_ids), alg.max_response_tokens,
                                                   shaping.overlong_buffer, shaping.overlong_penalty)
                 scores.append(score)
                 rewards.append(reward)
-                rollouts.append(Rollout(prompt_ids, c["token_ids"], c["logprobs"], reward, 0.0))
-                record.append({"id": f"{index}.{g}", "tokens": c["token_ids"], "reward": reward})
+                rollouts.append(Rollout(prompt_ids, c.token_ids, c.logprobs, reward, 0.0))
+                record.append({"id": f"{index}.{g}", "tokens": c.token_ids, "reward": reward})
         advantages = grpo.group_advantages(torch.tensor(rewards), alg.samples_per_prompt,
                                            scale_by_std=alg.scale_advantages_by_std)
         for r, a in zip(rollouts, advantages.tolist()):
@@ -343,10 +344,6 @@ def _pack(rollouts: list[Rollout], device: torch.device) -> tuple[torch.Tensor, 
     prompt_lens = torch.tensor([len(r.prompt) for r in rollouts], device=device)
     response_lens = torch.tensor([len(r.response) for r in rollouts], device=device)
     return tokens, prompt_lens, response_lens
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def main(argv: list[str] | None = None) -> None:
