@@ -1,10 +1,11 @@
-# make test: installs what is missing (venv, packages) and runs the whole suite. .ci/run calls it.
+# make test: installs what is missing (venv, packages, apt packages, the cached control plane) and runs the whole
+# suite. .ci/run calls it.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test run bench bench-quick gpu-bench clean
+.PHONY: test run controlplane bench bench-quick bench-operator gpu-bench clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 or run make PYTHON=python3"; exit 1; }
@@ -15,7 +16,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[workers,test]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# kube-apiserver, controller-manager and scheduler v1.20.2, built once from Debian's source package into
+# ~/.cache/pat-rlhf (about 10 minutes on 2 cores); KUBEBUILDER_ASSETS or PAT_TEST_KUBECONFIG skip the build.
+controlplane:
+	@if [ -n "$$PAT_TEST_KUBECONFIG" ]; then echo "using the cluster of PAT_TEST_KUBECONFIG"; \
+	else scripts/controlplane-build.sh; fi
+
+test: $(STAMP) controlplane
 	$(PY) -m pytest -q
 
 # The example RLHFJob as local processes with adaptive TP, then the same job with it off, side by side.
@@ -27,6 +34,9 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) bench/tail.py --quick
+
+bench-operator: $(STAMP) controlplane
+	$(PY) bench/operator_scale.py
 
 gpu-bench: $(STAMP)
 	$(PY) bench/gpu_decode.py

@@ -7,11 +7,13 @@ per field, with the field's path (`spec.algorithm.clipRatio`) and what to use in
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Literal
+import re
+from difflib import get_close_matches
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "pat.dev"
@@ -28,18 +30,35 @@ class _Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
 
+# Kubernetes objects passed through to the pods as they are (the API server validates them there).
+KubeObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
+# Kubernetes' own quantity syntax (resource.Quantity): 2, 500m, 1.5, 8Gi, 1e3.
+QUANTITY = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+            r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+Quantity = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY,
+                                                "anyOf": [{"type": "integer"}, {"type": "string"}]})]
+GPU_RESOURCE = "nvidia.com/gpu"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
 class TinyModel(_Model):
     """A random-weight model built locally from a seed (no model hub is needed)."""
-    family: Literal["llama", "qwen2", "qwen3"] = "llama"
+    family: Literal["llama", "qwen2", "qwen3"] = Field("llama", description="the architecture")
     preset: str = Field("demo", description="a preset of pat_workers.engine.tiny: test, demo, bench, llama-8b")
-    seed: int = 0
+    seed: int = Field(0, description="the random seed of the weights (every pod builds the same model)")
     tokenizer: Literal["dataset", "bytes"] = Field(
         "dataset", description="dataset: a BPE tokenizer trained on the dataset's text; bytes: byte-level")
 
 
 class ModelSource(_Model):
-    path: str | None = Field(None, description="directory with config.json, *.safetensors and tokenizer.json")
+    """The policy model: a Hugging Face model directory (path) or a random-weight tiny model (tiny)."""
+    path: str | None = Field(None, description="directory with config.json, *.safetensors and tokenizer.json "
+                                               "(in the pods: on the volume, if one is given)")
     tiny: TinyModel | None = None
+    volume: KubeObject | None = Field(None, description="a Kubernetes volume source mounted read-only at "
+                                      "mountPath in every pod, e.g. {persistentVolumeClaim: {claimName: llama}}")
+    mount_path: str = Field("/models", pattern=r"^/", description="where the volume is mounted (an absolute path)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the generators' weights")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSource:
@@ -49,17 +68,19 @@ class ModelSource(_Model):
 
 
 class SyntheticDataset(_Model):
-    kind: Literal["arithmetic"] = "arithmetic"
-    size: int = Field(512, ge=1)
-    seed: int = 0
+    """A generated task: arithmetic problems (3+4=) and their answers."""
+    kind: Literal["arithmetic"] = Field("arithmetic", description="the task")
+    size: int = Field(512, ge=1, description="problems in the dataset")
+    seed: int = Field(0, description="the random seed of the problems")
     max_operand: int = Field(9, ge=1, description="operands are drawn from 0..maxOperand")
 
 
 class Dataset(_Model):
+    """The prompts: a file of problems (path) or a generated task (synthetic)."""
     path: str | None = Field(None, description="a .jsonl or .parquet file of problems")
-    format: Literal["auto", "jsonl", "parquet"] = "auto"
-    prompt_field: str = "problem"
-    answer_field: str = "answer"
+    format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="auto: from the suffix of path")
+    prompt_field: str = Field("problem", description="the field of a record that holds the problem")
+    answer_field: str = Field("answer", description="the field of a record that holds the reference answer")
     prompt_template: str = Field("{prompt}", description="how a problem becomes a prompt; {prompt} is replaced")
     synthetic: SyntheticDataset | None = None
 
@@ -69,15 +90,19 @@ class Dataset(_Model):
             raise ValueError("set exactly one of dataset.path (a .jsonl/.parquet file) or dataset.synthetic")
         if "{prompt}" not in self.prompt_template:
             raise ValueError("dataset.promptTemplate must contain {prompt}")
+        suffix = PurePosixPath(self.path or "").suffix
+        if self.path is not None and self.format == "auto" and suffix not in (".jsonl", ".parquet"):
+            raise ValueError(f"dataset.path={self.path!r}: name it *.jsonl or *.parquet, or set dataset.format")
         return self
 
 
 class Reward(_Model):
+    """How a response is scored."""
     function: str = Field("math", description="math (built in) or a plugin as module:function")
     format_score: float = Field(0.0, ge=0, le=1, description="math: reward of a well-formed but wrong answer")
     overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong punishment: a response longer than "
                                  "maxResponseTokens - overlongBuffer loses up to overlongPenalty, linearly; 0: off")
-    overlong_penalty: float = Field(1.0, ge=0)
+    overlong_penalty: float = Field(1.0, ge=0, description="the most an overlong response loses (overlongBuffer)")
 
     @model_validator(mode="after")
     def _known(self) -> Reward:
@@ -87,72 +112,243 @@ class Reward(_Model):
 
 
 class Algorithm(_Model):
-    name: Literal["grpo"] = "grpo"
-    iterations: int = Field(20, ge=1)
-    prompts_per_iteration: int = Field(16, ge=1)
+    """The RL algorithm and its hyperparameters."""
+    name: Literal["grpo"] = Field("grpo", description="GRPO: advantages relative to the other responses to a prompt")
+    iterations: int = Field(20, ge=1, description="iterations of generate, score, train, sync the weights")
+    prompts_per_iteration: int = Field(16, ge=1, description="prompts per iteration, each answered samplesPerPrompt "
+                                                              "times")
     samples_per_prompt: int = Field(8, ge=2, description="G: responses per prompt (advantages are per group)")
-    max_response_tokens: int = Field(64, ge=1)
+    max_response_tokens: int = Field(64, ge=1, description="the longest response, in tokens")
     temperature: float = Field(1.0, ge=0, description="0 is greedy (every sample of a prompt is the same)")
-    top_p: float = Field(1.0, gt=0, le=1)
-    learning_rate: float = Field(1e-3, gt=0)
-    clip_ratio: float = Field(0.2, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the probability mass sampled from; 1: off")
+    learning_rate: float = Field(1e-3, gt=0, description="AdamW's learning rate")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO's clip: the probability ratio is kept within 1 +- clipRatio")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the frozen reference policy; 0 turns it off")
     scale_advantages_by_std: bool = Field(True, description="false for Dr. GRPO")
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="seq-mean-token-sum-norm for Dr. GRPO")
     mini_batches: int = Field(2, ge=1, description="optimizer steps per iteration (the clip ratio acts from the 2nd)")
-    grad_clip: float = Field(1.0, gt=0)
-    seed: int = 0
+    grad_clip: float = Field(1.0, gt=0, description="the gradients' global norm is clipped to this")
+    seed: int = Field(0, description="the random seed of sampling and shuffling")
 
 
-class Trainer(_Model):
-    replicas: int = Field(1, ge=1, description="data-parallel trainer ranks (DDP)")
-
-
-class Generator(_Model):
-    replicas: int = Field(1, ge=1, description="generator pods")
-    ranks_per_pod: int = Field(2, ge=1, description="engine ranks per pod: one per GPU (a CPU core here)")
-    max_batch: int = Field(64, ge=1, description="sequences per TP=1 replica")
-    max_seq: int = Field(512, ge=2, description="prompt + response tokens per sequence")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+class EnvVar(_Model):
+    """An environment variable of the worker container."""
+    name: str = Field(min_length=1, description="the variable")
+    value: str | None = Field(None, description="its value")
+    value_from: KubeObject | None = Field(None, description="a Kubernetes EnvVarSource (secretKeyRef, fieldRef, ...)")
 
     @model_validator(mode="after")
-    def _power_of_two(self) -> Generator:
-        n = self.ranks_per_pod
-        if n & (n - 1):
-            raise ValueError(f"generator.ranksPerPod={n}: use a power of two (TP groups are powers of two)")
+    def _one_value(self) -> EnvVar:
+        if self.value is not None and self.value_from is not None:
+            raise ValueError(f"env {self.name}: set value or valueFrom, not both")
         return self
 
 
+class VolumeMount(_Model):
+    """Where one of volumes is mounted in the worker container."""
+    name: str = Field(min_length=1, description="the name of one of volumes")
+    mount_path: str = Field(pattern=r"^/", description="absolute path in the container")
+    read_only: bool = Field(False, description="mount it read-only")
+    sub_path: str | None = Field(None, description="a path in the volume to mount instead of its root")
+
+
+class Toleration(_Model):
+    """A Kubernetes toleration of the pods."""
+    key: str | None = Field(None, description="the taint's key; unset with operator Exists: every taint")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="unset: Equal")
+    value: str | None = Field(None, description="the taint's value (operator Equal)")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="the taint effect tolerated; unset: all")
+    toleration_seconds: int | None = Field(None, description="NoExecute: how long the pod stays once tainted")
+
+    @model_validator(mode="after")
+    def _kubernetes_rules(self) -> Toleration:
+        if not self.key and self.operator != "Exists":
+            raise ValueError("tolerations: a toleration without a key matches every taint: set a key, or operator: "
+                             "Exists")
+        if self.operator == "Exists" and self.value:
+            raise ValueError("tolerations: operator Exists takes no value; remove value or use operator: Equal")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerations: tolerationSeconds needs effect: NoExecute")
+        return self
+
+
+class Resources(_Model):
+    """Resources of the worker container as Kubernetes quantities; GPUs are gpusPerPod."""
+    requests: dict[str, Quantity] = Field({}, description="what the scheduler reserves, e.g. {cpu: 2, memory: 8Gi}")
+    limits: dict[str, Quantity] = Field({}, description="the most the container may use, e.g. {memory: 8Gi}")
+
+    @model_validator(mode="after")
+    def _no_gpus(self) -> Resources:
+        for kind in ("requests", "limits"):
+            if GPU_RESOURCE in getattr(self, kind):
+                raise ValueError(f"resources.{kind}: do not set {GPU_RESOURCE} here; use gpusPerPod")
+            for name, value in getattr(self, kind).items():
+                if isinstance(value, str) and not re.match(QUANTITY, value):
+                    raise ValueError(f"resources.{kind}.{name}={value!r} is not a Kubernetes quantity; use e.g. 2, "
+                                     f"500m, 8Gi")
+        return self
+
+
+class LocalObjectReference(_Model):
+    """An object in the job's namespace."""
+    name: str = Field(min_length=1, description="its name")
+
+
+class PodTemplate(_Model):
+    """What a user sets for one kind of pod (trainer or generator); the operator adds the rest."""
+    replicas: int = Field(1, ge=1)
+    gpus_per_pod: int = Field(1, ge=0, description=f"{GPU_RESOURCE} per pod (0: CPU only)")
+    image: str = Field("ghcr.io/pat-rlhf/pat-worker:0.1.0", min_length=1, description="the worker image")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent",
+                                                                          description="when the image is pulled")
+    image_pull_secrets: list[LocalObjectReference] = Field([], description="Secrets for a private registry")
+    command: list[str] | None = Field(None, min_length=1, description="replaces the pat worker command (custom "
+                                                                      "images, debugging)")
+    resources: Resources = Field(Resources(), description="CPU and memory of the worker container (GPUs: "
+                                                          "gpusPerPod)")
+    env: list[EnvVar] = Field([], description="environment variables of the worker container")
+    volumes: list[KubeObject] = Field([], description="Kubernetes volumes (each with a name) for volumeMounts")
+    volume_mounts: list[VolumeMount] = Field([], description="volumes mounted in the worker container")
+    node_selector: dict[str, str] = Field({}, description="node labels the pods need")
+    tolerations: list[Toleration] = Field([], description="taints the pods tolerate")
+    affinity: KubeObject | None = Field(None, description="a Kubernetes Affinity of the pods")
+
+    @model_validator(mode="after")
+    def _mounts_have_volumes(self) -> PodTemplate:
+        names = [v.get("name") for v in self.volumes]
+        if any(not isinstance(n, str) or not n for n in names):
+            raise ValueError("every entry of volumes needs a name")
+        if len(set(names)) != len(names):
+            raise ValueError(f"volumes: names must be unique ({names})")
+        for m in self.volume_mounts:
+            if m.name not in names:
+                raise ValueError(f"volumeMounts: {m.name!r} is not one of volumes {names}; add it to volumes")
+        return self
+
+
+class Trainer(PodTemplate):
+    """The trainer pods: one data-parallel rank each."""
+    replicas: int = Field(1, ge=1, description="data-parallel trainer ranks (DDP), one pod each")
+
+
+class Prometheus(_Model):
+    """Where the operator reads the generator pods' metrics (controller operator)."""
+    url: str | None = Field(None, pattern=r"^https?://", description="default: the operator's --prometheus-url")
+    query_interval: float = Field(1.0, gt=0, description="seconds between queries")
+
+
 class AdaptiveTP(_Model):
-    enabled: bool = True
+    """Adaptive tensor parallelism: in a batch's long tail the engine ranks of a pod regroup into larger TP groups."""
+    enabled: bool = Field(True, description="false: every rank stays a TP=1 replica")
     controller: Literal["pod", "operator"] = Field(
-        "pod", description="pod: each generator pod plans its own regroups; operator: it only obeys plans")
-    margin: float = Field(0.1, ge=0, description="regroup only when the predicted gain exceeds the cost by this")
-    cooldown_steps: int = Field(4, ge=0, description="decode steps after a regroup before the next one")
-    migration: Literal["auto", "kv", "recompute"] = "auto"
-    profile: str | None = Field(None, description="an offline T(tp, batch) profile (JSON); default: measured "
-                                                  "by each pod at start")
+        "pod", description="pod: each generator pod plans its own regroups; operator: the operator plans from "
+                           "Prometheus metrics and the pod only obeys")
+    # At most 16: the CRD's CEL rules over the list must fit the API server's cost budget.
+    tp_sizes: list[int] | None = Field(None, min_length=1, max_length=16, description="TP sizes a group may take "
+                                       "(powers of two dividing the ranks per pod); default: all of them")
+    min_gain: float = Field(0.1, ge=0, description="regroup only when the predicted gain beats the regroup cost by "
+                                                   "this fraction of the time left")
+    cooldown_steps: int = Field(4, ge=0, description="controller pod: decode steps after a regroup before the next")
+    cooldown_seconds: float = Field(2.0, ge=0, description="controller operator: seconds after a regroup before "
+                                                           "the next plan")
+    migration: Literal["auto", "kv", "recompute"] = Field("auto", description="how unfinished requests move: "
+                                                          "auto picks per request from measured costs")
+    profile: str | None = Field(None, description="an offline T(tp, batch) profile (JSON) in the pod; default: "
+                                                  "measured by each pod at start")
+    prometheus: Prometheus = Field(Prometheus(), description="controller operator: where the metrics come from")
+
+
+class Generator(PodTemplate):
+    """The generator pods: each runs ranksPerPod engine ranks, which regroup into TP groups in place."""
+    replicas: int = Field(1, ge=1, description="generator pods")
+    ranks_per_pod: int | None = Field(None, ge=1, description="engine ranks per pod; default gpusPerPod (one rank "
+                                      "per GPU); set it for CPU pods (gpusPerPod: 0)")
+    max_batch: int = Field(64, ge=1, description="sequences per TP=1 replica")
+    max_seq: int = Field(512, ge=2, description="prompt + response tokens per sequence")
+    port: int = Field(8000, ge=1, le=65535, description="the coordinator's HTTP port")
+    adaptive_tp: AdaptiveTP = Field(AdaptiveTP(), alias="adaptiveTP")
+
+    @property
+    def ranks(self) -> int:
+        return self.ranks_per_pod or self.gpus_per_pod
+
+    @property
+    def tp_sizes(self) -> list[int]:
+        return self.adaptive_tp.tp_sizes or [t for t in _powers_of_two(self.ranks)]
+
+    @model_validator(mode="after")
+    def _ranks(self) -> Generator:
+        n = self.ranks
+        if n == 0:
+            raise ValueError("generator.gpusPerPod=0 needs generator.ranksPerPod (engine ranks on CPU)")
+        if self.gpus_per_pod and self.ranks_per_pod not in (None, self.gpus_per_pod):
+            raise ValueError(f"generator.ranksPerPod={self.ranks_per_pod} must equal gpusPerPod="
+                             f"{self.gpus_per_pod} (one engine rank per GPU), or be left out")
+        if n & (n - 1):
+            name = "ranksPerPod" if self.ranks_per_pod else "gpusPerPod"
+            raise ValueError(f"generator.{name}={n}: use a power of two (TP groups are powers of two)")
+        for t in self.adaptive_tp.tp_sizes or ():
+            if t < 1 or t & (t - 1) or n % t:
+                raise ValueError(f"generator.adaptiveTP.tpSizes: {t} is not a power of two dividing the {n} "
+                                 f"ranks per pod; use some of {_powers_of_two(n)}")
+        if self.adaptive_tp.tp_sizes and 1 not in self.adaptive_tp.tp_sizes:
+            raise ValueError("generator.adaptiveTP.tpSizes must include 1: every rollout batch starts at TP=1")
+        return self
+
+
+def _powers_of_two(n: int) -> list[int]:
+    return [1 << i for i in range(n.bit_length()) if n % (1 << i) == 0]
 
 
 class Checkpoint(_Model):
-    every_iterations: int = Field(5, ge=1)
+    """The trainer's checkpoints and run folder."""
+    every_iterations: int = Field(5, ge=1, description="a checkpoint every this many iterations, and after the last")
     keep: int = Field(2, ge=1, description="checkpoints kept (older ones are deleted)")
+    path: str = Field("/var/lib/pat/run", pattern=r"^/", description="run folder in the trainer pods: "
+                      "checkpoints, metrics.jsonl, rollouts")
+    volume: KubeObject | None = Field(None, description="a Kubernetes volume source mounted at path, e.g. "
+                                      "{persistentVolumeClaim: {claimName: ckpt}}; without one a restarted gang "
+                                      "starts from the beginning")
+
+
+class Scheduling(_Model):
+    """How the pods are scheduled."""
+    gang: bool = Field(True, description="schedule all pods of an attempt together (Kueue pod group or Volcano "
+                                         "PodGroup when those are used)")
+    queue_name: str | None = Field(None, pattern=DNS_LABEL, description="Kueue LocalQueue: pods join one pod group")
+    scheduler_name: str | None = Field(None, min_length=1, description="e.g. volcano: a PodGroup with minMember "
+                                       "= all pods is created with the job")
+    priority_class_name: str | None = Field(None, min_length=1, description="the pods' PriorityClass")
 
 
 class RunPolicy(_Model):
+    """Restarts, deadlines and suspension: the one part of spec that may change while the job exists."""
     backoff_limit: int = Field(3, ge=0, description="gang restarts before the job fails")
+    active_deadline_seconds: int | None = Field(None, ge=1, description="the job fails once it has run this long")
+    ttl_seconds_after_finished: int | None = Field(None, ge=0, description="the finished job (and so its pods) "
+                                                   "is deleted this long after it succeeded or failed")
+    suspend: bool = Field(False, description="true deletes the pods and keeps the status; false again resumes "
+                                             "from the last checkpoint")
+
+
+class Tokenizer(_Model):
+    """The tokenizer, if not the model's own."""
+    path: str | None = Field(None, description="directory with tokenizer.json; default: the model's own")
 
 
 class RLHFJobSpec(_Model):
+    """What the job trains, on which prompts, and how its pods run; only runPolicy may change once it exists."""
     model: ModelSource
+    tokenizer: Tokenizer = Tokenizer()
     dataset: Dataset
     reward: Reward = Reward()
     algorithm: Algorithm = Algorithm()
     trainer: Trainer = Trainer()
     generator: Generator = Generator()
-    adaptive_tp: AdaptiveTP = Field(AdaptiveTP(), alias="adaptiveTP")
     checkpoint: Checkpoint = Checkpoint()
+    scheduling: Scheduling = Scheduling()
     run_policy: RunPolicy = RunPolicy()
 
     @model_validator(mode="after")
@@ -178,15 +374,82 @@ class Metadata(_Model):
 
 
 class RLHFJob(_Model):
+    """An RLHF training job: trainer and generator pods, run as one gang, with adaptive tensor parallelism."""
     api_version: Literal["pat.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
     kind: Literal["RLHFJob"] = KIND
     metadata: Metadata
     spec: RLHFJobSpec
+    status: RLHFJobStatus | None = None
+
+
+PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+
+
+class _Status(_Model):
+    # Written by the operator; a status written by another version is read, not rejected.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
+
+
+class Condition(_Status):
+    """A standard Kubernetes condition. The conditions are the one source of truth of a job's state."""
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="CamelCase, for machines")
+    message: str = Field("", description="for people")
+    last_transition_time: str = Field(description="RFC 3339, when status last changed")
+    observed_generation: int | None = Field(None, description="the spec generation this was computed from")
+
+
+class GeneratorPodStatus(_Status):
+    pod: str
+    layout: list[int] = Field([], description="TP group sizes in rank order, e.g. [2, 1, 1]")
+    desired_epoch: int = Field(0, description="epoch of the last plan sent to the pod")
+    applied_epoch: int = Field(0, description="epoch the pod acknowledged")
+    last_regroup_time: str | None = None
+    regroups: int = 0
+
+
+class RLHFJobStatus(_Status):
+    """What the operator observed; written only by the operator."""
+    phase: Literal[PHASES] = Field("Pending", description="derived from the conditions")  # type: ignore[valid-type]
+    conditions: list[Condition] = []
+    observed_generation: int | None = None
+    iteration: int = Field(0, description="iterations the trainer has completed")
+    restarts: int = Field(0, description="gang restarts so far (the current attempt)")
+    start_time: str | None = None
+    completion_time: str | None = None
+    tp: str = Field("", description="the generator pods' TP layouts, e.g. 2+1+1 4")
+    generators: list[GeneratorPodStatus] = []
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
     parts = [str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-after"))]
     return ".".join(parts) or "(document)"
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for a in get_args(annotation) if (m := _model_in(a)) is not None), None)
+
+
+def _unknown_field(loc: tuple[Any, ...]) -> str:
+    """The message for an unknown field at loc: the closest known field of the model it is in, or all of them."""
+    model: type[BaseModel] | None = RLHFJob
+    for part in loc[:-1]:
+        fields = {f.alias or n: f for n, f in model.model_fields.items()} if model else {}
+        if part in fields:
+            model = _model_in(fields[part].annotation)
+    known = sorted(f.alias or n for n, f in model.model_fields.items()) if model else []
+    if close := get_close_matches(str(loc[-1]), known, n=1):
+        return f"unknown field; did you mean {close[0]}?"
+    return f"unknown field; use one of {', '.join(known)}" if known else "unknown field; remove it"
+
+
+# What a pattern asks for: pydantic's message shows only the regular expression.
+_PATTERN_HINTS = {DNS_LABEL: "use a DNS label (lowercase letters, digits and '-', a letter or digit at both ends)",
+                  r"^/": "use an absolute path (starting with /)",
+                  r"^https?://": "use a URL starting with http:// or https://"}
 
 
 def parse_job(doc: Any, source: str = "RLHFJob") -> RLHFJob:
@@ -196,6 +459,10 @@ def parse_job(doc: Any, source: str = "RLHFJob") -> RLHFJob:
         lines = []
         for err in e.errors():
             msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = _unknown_field(err["loc"])
+            elif err["type"] == "string_pattern_mismatch" and err["ctx"]["pattern"] in _PATTERN_HINTS:
+                msg = f"{err['input']!r}: {_PATTERN_HINTS[err['ctx']['pattern']]}"
             lines.append(f"  {_field_path(err['loc'])}: {msg}")
         raise JobSpecError(f"{source} is invalid:\n" + "\n".join(lines)) from None
 

@@ -32,3 +32,11 @@ TRAINER_ENTROPY = "pat_trainer_entropy"
 TRAINER_POLICY_VERSION = "pat_trainer_policy_version"
 
 TRAINER_PHASES = ("generate", "reward", "train", "sync", "checkpoint")
+
+# The operator.
+OPERATOR_RECONCILES = "pat_operator_reconciles"  # counter, label result: ok | error
+OPERATOR_RECONCILE_SECONDS = "pat_operator_reconcile_seconds"  # histogram
+OPERATOR_PODS_CREATED = "pat_operator_pods_created"  # counter
+OPERATOR_GANG_RESTARTS = "pat_operator_gang_restarts"  # counter
+OPERATOR_JOBS = "pat_operator_jobs"  # gauge, label phase
+OPERATOR_API_ERRORS = "pat_operator_api_errors"  # counter, label verb: create | delete | patch

@@ -96,7 +96,7 @@ def test_the_example_reports_what_adaptive_tp_did(example_run):
 
 def test_killed_processes_resume_exactly(tmp_path):
     job = write_job(tmp_path, "resume", **{"algorithm.iterations": 8, "checkpoint.everyIterations": 2,
-                                           "adaptiveTP.enabled": False})
+                                           "generator.adaptiveTP.enabled": False})
     reference = tmp_path / "reference"
     assert pat("run", str(job), "--run-dir", str(reference), "--no-progress").returncode == 0
     crashed = tmp_path / "crashed"
@@ -147,7 +147,8 @@ def test_adaptive_tp_on_and_off_greedy_give_identical_tokens(tmp_path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"1": {"1": 0.004, "64": 0.012}, "2": {"1": 0.002, "64": 0.006}}))
     job = write_job(tmp_path, "greedy", **{"algorithm.iterations": 2, "algorithm.temperature": 0,
-                                           "algorithm.promptsPerIteration": 8, "adaptiveTP.profile": str(profile),
+                                           "algorithm.promptsPerIteration": 8,
+                                           "generator.adaptiveTP.profile": str(profile),
                                            "trainer.replicas": 2})  # and the loop's DDP path
     run_dir = tmp_path / "run"
     done = pat("run", str(job), "--run-dir", str(run_dir), "--baseline", "--no-progress")

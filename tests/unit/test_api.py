@@ -16,10 +16,11 @@ def example() -> dict:
 
 def test_example_is_valid_and_camel_case_round_trips():
     job = load_job(EXAMPLE)
-    assert job.spec.generator.ranks_per_pod == 2 and job.spec.adaptive_tp.controller == "pod"
+    assert job.spec.generator.ranks_per_pod == 2 and job.spec.generator.adaptive_tp.controller == "pod"
+    assert job.spec.generator.ranks == 2 and job.spec.generator.tp_sizes == [1, 2]  # tpSizes' default: all
     again = parse_job(job.model_dump(by_alias=True))
     assert again == job
-    assert "adaptiveTP" in job.spec.model_dump(by_alias=True)
+    assert "adaptiveTP" in job.spec.generator.model_dump(by_alias=True)
 
 
 @pytest.mark.parametrize("edit, field", [
@@ -27,8 +28,16 @@ def test_example_is_valid_and_camel_case_round_trips():
     (lambda s: s["algorithm"].update(samplesPerPrompt=1), "spec.algorithm.samplesPerPrompt"),
     (lambda s: s["algorithm"].update(lossAggregation="mean"), "spec.algorithm.lossAggregation"),
     (lambda s: s["algorithm"].update(clipRatoi=0.2), "spec.algorithm.clipRatoi"),  # a typo is not ignored
-    (lambda s: s["generator"].update(ranksPerPod=3), "generator.ranksPerPod=3"),
-    (lambda s: s["adaptiveTP"].update(controller="both"), "spec.adaptiveTP.controller"),
+    (lambda s: s["generator"].update(ranksPerPod=3), "generator.ranksPerPod=3: use a power of two"),
+    (lambda s: s["generator"].update(gpusPerPod=3, ranksPerPod=None), "generator.gpusPerPod=3: use a power of two"),
+    (lambda s: s["generator"].update(gpusPerPod=2, ranksPerPod=4), "generator.ranksPerPod=4 must equal gpusPerPod=2"),
+    (lambda s: s["generator"].pop("ranksPerPod"), "gpusPerPod=0 needs generator.ranksPerPod"),
+    (lambda s: s["generator"]["adaptiveTP"].update(tpSizes=[1, 4]), "4 is not a power of two dividing the 2 ranks"),
+    (lambda s: s["generator"]["adaptiveTP"].update(tpSizes=[2]), "tpSizes must include 1"),
+    (lambda s: s["generator"]["adaptiveTP"].update(controller="both"), "spec.generator.adaptiveTP.controller"),
+    (lambda s: s["generator"]["adaptiveTP"].update(minGain=-0.1), "spec.generator.adaptiveTP.minGain"),
+    (lambda s: s["generator"]["adaptiveTP"].update(margin=0.1), "adaptiveTP.margin: unknown field; use one of"),
+    (lambda s: s.update(adaptiveTP={}), "spec.adaptiveTP: unknown field"),  # it moved under generator
     (lambda s: s["model"].update(path="/models/x"), "exactly one of model.path"),
     (lambda s: s["dataset"].pop("synthetic"), "exactly one of dataset.path"),
     (lambda s: s["reward"].update(function="nomodule"), "module:function"),
@@ -43,6 +52,23 @@ def test_bad_fields_are_named(edit, field):
     with pytest.raises(JobSpecError) as e:
         parse_job(doc)
     assert field in str(e.value)
+
+
+def test_ranks_default_to_one_per_gpu():
+    doc = example()
+    doc["spec"]["generator"].update(gpusPerPod=4, ranksPerPod=None)
+    generator = parse_job(doc).spec.generator
+    assert generator.ranks == 4 and generator.tp_sizes == [1, 2, 4]
+
+
+def test_a_typo_gets_the_closest_field():
+    doc = example()
+    doc["spec"]["algorithm"]["clipRatoi"] = 0.3
+    doc["spec"]["generator"]["env"] = [{"nmae": "A", "value": "1"}]
+    with pytest.raises(JobSpecError) as e:
+        parse_job(doc)
+    assert "spec.algorithm.clipRatoi: unknown field; did you mean clipRatio?" in str(e.value)
+    assert "spec.generator.env.0.nmae: unknown field; did you mean name?" in str(e.value)
 
 
 def test_bad_name_and_missing_file(tmp_path):

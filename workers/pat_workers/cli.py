@@ -2,6 +2,7 @@
 
   pat run JOB.yaml [--run-dir DIR] [--baseline]   an RLHFJob as local processes (what `make run` calls)
   pat validate JOB.yaml                           checks a job spec; prints each bad field and the fix
+  pat prepare --job JOB.yaml --model DIR          builds the job's tiny model into DIR (a pod's init container)
   pat generator ...                               one generator pod (coordinator + engine ranks)
   pat trainer ...                                 one trainer rank
 """
@@ -38,16 +39,58 @@ def _run(argv: list[str]) -> int:
 
 
 def _validate(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="pat validate")
-    ap.add_argument("job")
-    job = load_job(ap.parse_args(argv).job)
-    print(f"{job.kind} {job.metadata.name}: valid")
+    """Every document of the file must be an RLHFJob that the operator accepts (the same api.parse_job)."""
+    import yaml
+
+    from pat_operator.api import API_VERSION, KIND, parse_job
+
+    ap = argparse.ArgumentParser(prog="pat validate", description="check RLHFJob manifests as the operator does")
+    ap.add_argument("file", help="YAML with one or more RLHFJob documents")
+    path = ap.parse_args(argv).file
+    try:
+        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d is not None]
+    except OSError as e:
+        raise JobSpecError(f"cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise JobSpecError(f"{path} is not valid YAML: {e}") from None
+    if not docs:
+        raise JobSpecError(f"{path} holds no document; expected an RLHFJob (apiVersion: {API_VERSION}, kind: {KIND})")
+    invalid = 0
+    for i, doc in enumerate(docs, 1):
+        source = path if len(docs) == 1 else f"{path} (document {i})"
+        kind = doc.get("kind") if isinstance(doc, dict) else None
+        try:
+            if kind != KIND:
+                raise JobSpecError(f"{source} is invalid:\n  kind: {kind!r} is not {KIND}; pat validate checks "
+                                   f"RLHFJob documents only (apiVersion: {API_VERSION}, kind: {KIND})")
+            job = parse_job(doc, source)
+        except JobSpecError as e:
+            print(e, file=sys.stderr)
+            invalid += 1
+            continue
+        print(f"{job.kind} {job.metadata.name}: valid")
+    return 2 if invalid else 0
+
+
+def _prepare(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="pat prepare", description="build an RLHFJob's tiny model (model.tiny) into "
+                                 "a directory; deterministic, so every pod of the job builds the same one")
+    ap.add_argument("--job", required=True)
+    ap.add_argument("--model", required=True, help="the model directory to create")
+    ap.add_argument("--data-dir", default=".", help="dataset paths are relative to this")
+    args = ap.parse_args(argv)
+    job = load_job(args.job)
+    if job.spec.model.tiny is None:
+        print(f"pat prepare: {job.metadata.name} uses model.path={job.spec.model.path}; nothing to build")
+        return 0
+    from .launcher import prepare_model
+    print(f"pat prepare: {prepare_model(job.spec, Path(args.model), Path(args.data_dir))}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"run": _run, "validate": _validate}
+    commands = {"run": _run, "validate": _validate, "prepare": _prepare}
     if not argv or argv[0] not in (*commands, "generator", "trainer"):
         print(__doc__.strip(), file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,8 @@ import aiohttp
 import yaml
 from tqdm import tqdm
 
-from pat_operator.api import ModelSource, RLHFJob
+from pat_operator.api import ModelSource, RLHFJob, RLHFJobSpec
+from pat_operator.commands import generator_args, trainer_args
 from pat_operator.podclient import PodClient
 
 from . import report
@@ -50,25 +52,37 @@ def free_port() -> int:
 def prepare(job: RLHFJob, run_dir: Path) -> Path:
     """Writes the run folder's inputs once (a rerun into the same folder resumes with them); returns the model."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    spec = job.spec
     (run_dir / "job.yaml").write_text(yaml.safe_dump(job.model_dump(by_alias=True, exclude_none=True),
                                                      sort_keys=False))
     token = run_dir / "token"
     if not token.exists():
         token.write_text(secrets.token_urlsafe(32))
         token.chmod(0o600)
-    if spec.model.path:
-        return Path(spec.model.path)
-    model = run_dir / "model"
-    if not (model / "config.json").exists():
-        tiny = spec.model.tiny
-        tokenizer = None
+    if job.spec.model.path:
+        return Path(job.spec.model.path)
+    return prepare_model(job.spec, run_dir / "model", data_dir=run_dir)
+
+
+def prepare_model(spec: RLHFJobSpec, model_dir: Path, data_dir: Path) -> Path:
+    """The job's tiny model, built from its seed unless model_dir holds it already. Deterministic: every pod of a
+    job that builds it gets the same weights and tokenizer. Written to a temporary folder renamed into place, so
+    that a reader never sees half a model."""
+    if (model_dir / "config.json").exists():
+        return model_dir
+    tiny = spec.model.tiny
+    tokenizer = None
+    staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", dir=model_dir.parent))
+    try:
         if tiny.tokenizer == "dataset":  # a small vocabulary learns faster than 256 bytes would
-            problems = data.load_problems(spec.dataset, base_dir=run_dir)
+            problems = data.load_problems(spec.dataset, base_dir=data_dir)
             corpus = [f"{p.prompt} #### {p.answer} \\boxed{{{p.answer}}}" for p in problems]  # answer formats too
-            tokenizer = data.train_tokenizer(corpus, DATASET_VOCAB, run_dir / "tokenizer")
-        make_tiny_model(model, family=tiny.family, preset=tiny.preset, seed=tiny.seed, tokenizer=tokenizer)
-    return model
+            tokenizer = data.train_tokenizer(corpus, DATASET_VOCAB, staging / "tokenizer")
+        make_tiny_model(staging / "model", family=tiny.family, preset=tiny.preset, seed=tiny.seed,
+                        tokenizer=tokenizer)
+        (staging / "model").rename(model_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return model_dir
 
 
 @dataclass
@@ -114,29 +128,23 @@ class LocalRun:
         (self.run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in gang.procs.items()}))
 
     def _start_pods(self, attempt: int) -> Gang:
-        spec, g, a = self.spec, self.spec.generator, self.spec.adaptive_tp
-        ports = [free_port() for _ in range(g.replicas)]
+        ports = [free_port() for _ in range(self.spec.generator.replicas)]
         gang = Gang(attempt, [f"http://127.0.0.1:{p}" for p in ports])
+        token = str(self.run_dir / "token")
         for i, port in enumerate(ports):
-            controller = a.controller if a.enabled else "operator"  # off: no plans ever arrive
-            self._spawn(gang, f"generator-{i}", [
-                "generator", "--model", str(self.model), "--ranks", str(g.ranks_per_pod), "--host", "127.0.0.1",
-                "--port", str(port), "--token-file", str(self.run_dir / "token"), "--controller", controller,
-                "--margin", str(a.margin), "--cooldown-steps", str(a.cooldown_steps), "--migration", a.migration,
-                "--max-batch", str(g.max_batch), "--max-seq", str(g.max_seq), "--dtype", g.dtype,
-                *(["--profile", a.profile] if a.profile else []),
-            ], {"PAT_ATTEMPT": str(attempt)})
+            spec = self.spec.model_copy(update={"generator": self.spec.generator.model_copy(update={"port": port})})
+            self._spawn(gang, f"generator-{i}", generator_args(spec, str(self.model), "127.0.0.1", token),
+                        {"PAT_ATTEMPT": str(attempt)})
         return gang
 
     def _start_trainers(self, gang: Gang) -> None:
-        n, master, weights = self.spec.trainer.replicas, free_port(), free_port()
+        n, master = self.spec.trainer.replicas, free_port()
         for rank in range(n):
-            self._spawn(gang, f"trainer-{rank}", [
-                "trainer", "--job", str(self.run_dir / "job.yaml"), "--model", str(self.model),
-                "--run-dir", str(self.run_dir), "--generators", ",".join(gang.pods),
-                "--token-file", str(self.run_dir / "token"), "--weight-address", f"127.0.0.1:{weights}",
-            ], {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(master), "PAT_ATTEMPT": str(gang.attempt), "PAT_LOCAL": "1"})
+            self._spawn(gang, f"trainer-{rank}", trainer_args(
+                self.spec, str(self.run_dir / "job.yaml"), str(self.model), str(self.run_dir), gang.pods,
+                "127.0.0.1", token_file=str(self.run_dir / "token")),
+                {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(master), "PAT_ATTEMPT": str(gang.attempt)})
 
     async def _attempt(self, attempt: int, bar: tqdm | None) -> str | None:
         """Runs one gang until the trainer finishes (None) or a process fails (the reason)."""
@@ -199,8 +207,10 @@ class LocalRun:
 
 def baseline_of(job: RLHFJob, model: Path) -> RLHFJob:
     """The same job with adaptive TP off, on the same model."""
+    generator = job.spec.generator
     spec = job.spec.model_copy(update={
-        "adaptive_tp": job.spec.adaptive_tp.model_copy(update={"enabled": False}),
+        "generator": generator.model_copy(update={"adaptive_tp": generator.adaptive_tp.model_copy(
+            update={"enabled": False})}),
         "model": ModelSource(path=str(model.resolve()))})
     return job.model_copy(update={"spec": spec})
 

@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seq", type=int, default=512, help="prompt + response tokens per sequence")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--profile", help="offline T(tp, batch) profile JSON (Profile.to_json); default: measured")
+    ap.add_argument("--tokenizer", help="directory with tokenizer.json (default: the model directory)")
+    ap.add_argument("--tp-sizes", help="comma-separated TP sizes plans may use, e.g. 1,2 (default: all)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--comm-backend", choices=("auto", "shm", "gloo", "nccl"), default="auto")
     args = ap.parse_args(argv)
@@ -52,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = EngineOptions(max_batch=args.max_batch, max_seq=args.max_seq, dtype=args.dtype,
                                 migration=args.migration, comm_backend=args.comm_backend, device=args.device)
+        tp_sizes = tuple(int(t) for t in args.tp_sizes.split(",")) if args.tp_sizes else None
         coordinator = Coordinator(PodConfig(args.model, args.ranks, options, args.controller, args.margin,
-                                            args.cooldown_steps, args.profile))
+                                            args.cooldown_steps, args.profile, args.tokenizer, tp_sizes))
     except (OSError, ValueError) as e:  # a bad model directory, option or profile file
         print(f"pat generator: {e}", file=sys.stderr)
         return 2

@@ -81,6 +81,8 @@ class PodConfig:
     margin: float = 0.1
     cooldown_steps: int = 4
     profile: str | None = None  # an offline T(tp, batch) profile (Profile.to_json); default: measured at start
+    tokenizer_dir: str | None = None  # default: the model directory's tokenizer.json
+    tp_sizes: tuple[int, ...] | None = None  # the TP sizes plans may use; default: all the model allows
 
 
 @dataclass
@@ -108,7 +110,7 @@ class Coordinator:
             raise ValueError(f"controller={config.controller!r}: use pod (plans its own regroups) or operator")
         self._offline_profile = _read_profile(config.profile) if config.profile else None
         self.gen = LocalGenerator(config.model_dir, config.ranks, config.options, env)
-        self.tokenizer = load_tokenizer(config.model_dir)
+        self.tokenizer = load_tokenizer(config.tokenizer_dir or config.model_dir)
         self.ready = threading.Event()  # ranks up and profiled
         self.failure: str | None = None  # why the thread stopped, if it failed
         self.dead_ranks: frozenset[int] = frozenset()
@@ -249,7 +251,9 @@ class Coordinator:
         kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _itemsize(self.config.options)
         self.costs = RegroupCosts(REGROUP_FIXED_SECONDS, kv_bytes_per_token / measured.link_bytes_per_s,
                                   measured.prefill)
-        self.controller = Controller(self.gen.tp_sizes, self.config.margin, self.config.cooldown_steps)
+        allowed = self.config.tp_sizes or self.gen.tp_sizes
+        self.controller = Controller([t for t in self.gen.tp_sizes if t in allowed], self.config.margin,
+                                     self.config.cooldown_steps)
 
     def _on_step(self, record: StepRecord) -> None:
         tp = len(record.group)

@@ -55,7 +55,7 @@ class Rollout:
 
 
 class TrainerMetrics:
-    def __init__(self, port: int):
+    def __init__(self, host: str, port: int):
         self.registry = CollectorRegistry()
         g = lambda name, doc, labels=(): Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
         self.iteration = g(names.TRAINER_ITERATION, "last completed iteration")
@@ -70,8 +70,7 @@ class TrainerMetrics:
             ("policy_version", names.TRAINER_POLICY_VERSION, "policy version the generators hold"),
         )}
         if port:
-            start_http_server(port, addr="127.0.0.1" if os.environ.get("PAT_LOCAL") else "0.0.0.0",
-                              registry=self.registry)
+            start_http_server(port, addr=host, registry=self.registry)
 
     def record(self, row: dict) -> None:
         self.iteration.set(row["iteration"])
@@ -83,7 +82,8 @@ class TrainerMetrics:
 
 class Trainer:
     def __init__(self, spec: RLHFJobSpec, model_dir: Path, run_dir: Path, pods: list[str], token: str,
-                 weight_address: str, metrics_port: int = 0):
+                 host: str = "127.0.0.1", weight_port: int = 0, metrics_port: int = 0,
+                 tokenizer_dir: Path | None = None):
         self.spec, self.alg = spec, spec.algorithm
         self.run_dir, self.ckpt_dir = run_dir, run_dir / "checkpoints"
         self.rank = int(os.environ.get("RANK", "0"))
@@ -104,14 +104,15 @@ class Trainer:
         self.reference = Policy(model_dir, device=self.device).requires_grad_(False) if self.alg.kl_coef > 0 \
             else None
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.alg.learning_rate, weight_decay=0.0)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(tokenizer_dir or model_dir)
         self.problems = data.load_problems(spec.dataset, base_dir=run_dir)
         self.sampler = data.PromptSampler(len(self.problems), self.alg.seed)
         self.reward = load_reward(spec.reward)
         self.iteration = 0
         if self.rank == 0:
-            self.pods, self.token, self.weight_address = pods, token, weight_address
-            self.metrics = TrainerMetrics(metrics_port)
+            self.pods, self.token = pods, token
+            self.weight_address = f"{host}:{weight_port}"  # port 0: any free one, sent to the pods in each update
+            self.metrics = TrainerMetrics(host, metrics_port)
             self.loop = asyncio.new_event_loop()
             self.sender: WeightSender | None = None
             (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
@@ -310,11 +311,11 @@ class Trainer:
         world = 1 + sum(ranks)
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self._pods(lambda c, i: c.update_weights(WeightUpdate(version=version, address=self.weight_address,
+        if self.sender is None:  # hosts the store now (it does not wait for the members)
+            self.sender = WeightSender(self.weight_address, world, backend=backend)
+        self._pods(lambda c, i: c.update_weights(WeightUpdate(version=version, address=self.sender.address,
                                                               world=world, rank_offset=offsets[i],
                                                               backend=backend)))
-        if self.sender is None:
-            self.sender = WeightSender(self.weight_address, world, backend=backend)
         self.sender.send(self.policy.named_weights(), version)
         self._pods(lambda c, i: c.wait_version(version))
 
@@ -353,10 +354,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run-dir", required=True, help="checkpoints, metrics.jsonl and rollouts go here")
     ap.add_argument("--generators", required=True, help="comma-separated generator pod URLs")
     ap.add_argument("--token-file", help="the job's bearer token (default: env PAT_JOB_TOKEN)")
-    ap.add_argument("--weight-address", required=True, help="host:port this rank 0 hosts the weight sync on")
-    ap.add_argument("--metrics-port", type=int, default=0)
+    ap.add_argument("--host", required=True, help="the address rank 0 serves the weight sync and metrics on, "
+                    "reachable from the generator pods (the pod's IP)")
+    ap.add_argument("--weight-port", type=int, default=0, help="weight-sync store port (0: any free port)")
+    ap.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port (0: none)")
+    ap.add_argument("--tokenizer", help="directory with tokenizer.json (default: the model directory)")
     args = ap.parse_args(argv)
     token = Path(args.token_file).read_text().strip() if args.token_file else os.environ["PAT_JOB_TOKEN"]
     trainer = Trainer(load_job(args.job).spec, Path(args.model), Path(args.run_dir), args.generators.split(","),
-                      token, args.weight_address, args.metrics_port)
+                      token, args.host, args.weight_port, args.metrics_port,
+                      Path(args.tokenizer) if args.tokenizer else None)
     trainer.run()

@@ -1,0 +1,226 @@
+"""Pure builders of what the operator creates for an RLHFJob: manifests as plain dicts, from the validated job.
+
+Everything a job owns carries an ownerReference to it (the garbage collector removes it with the job) and the
+job's labels. Pods of one attempt (a gang restart makes a new attempt) share an attempt label, so a pod of an
+earlier attempt is never mistaken for a current one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any
+
+import yaml
+
+from . import commands
+from .api import API_VERSION, GPU_RESOURCE, KIND, PodTemplate, RLHFJob
+
+LABEL_JOB = "pat.dev/job"
+LABEL_ROLE = "pat.dev/role"
+LABEL_INDEX = "pat.dev/index"
+LABEL_ATTEMPT = "pat.dev/attempt"
+ROLES = ("trainer", "generator")
+
+SPEC_FILE = "/etc/pat/job.yaml"
+WORK_DIR = "/var/lib/pat/work"  # the tiny model is built here by the init container
+TRAINER_METRICS_PORT = 9100
+MASTER_PORT = 29500
+RUN_AS = 1000  # the images' non-root user
+PODGROUP_API = ("scheduling.volcano.sh", "v1beta1", "podgroups")
+KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP = "kueue.x-k8s.io/pod-group-name"
+KUEUE_TOTAL = "kueue.x-k8s.io/pod-group-total-count"
+VOLCANO_GROUP = "scheduling.k8s.io/group-name"
+
+Manifest = dict[str, Any]
+
+
+def job_token(key: bytes, uid: str) -> str:
+    """The job's bearer token: derived from the operator's key and the job's uid, so the operator never needs to
+    read a Secret back (its RBAC can create Secrets but not read any)."""
+    return hmac.new(key, f"pat-job-token/{uid}".encode(), hashlib.sha256).hexdigest()
+
+
+def names(job: RLHFJob) -> dict[str, str]:
+    n = job.metadata.name
+    return {"spec": f"{n}-spec", "token": f"{n}-token", "service": n, "podgroup": n}
+
+
+def pod_name(job: RLHFJob, role: str, index: int) -> str:
+    return f"{job.metadata.name}-{role}-{index}"
+
+
+def pod_host(job: RLHFJob, role: str, index: int) -> str:
+    """The pod's DNS name through the job's headless Service."""
+    return f"{pod_name(job, role, index)}.{job.metadata.name}.{job.metadata.namespace}.svc"
+
+
+def expected_pods(job: RLHFJob) -> list[tuple[str, int]]:
+    s = job.spec
+    return [("trainer", i) for i in range(s.trainer.replicas)] + [("generator", i) for i in range(s.generator.replicas)]
+
+
+def labels(job: RLHFJob) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "pat", "app.kubernetes.io/managed-by": "pat-operator",
+            "app.kubernetes.io/instance": job.metadata.name, LABEL_JOB: job.metadata.name}
+
+
+def owner(job: RLHFJob, uid: str) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": job.metadata.name, "uid": uid, "controller": True,
+            "blockOwnerDeletion": True}
+
+
+def _meta(job: RLHFJob, uid: str, name: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"name": name, "namespace": job.metadata.namespace, "labels": {**labels(job), **(extra_labels or {})},
+            "ownerReferences": [owner(job, uid)]}
+
+
+def spec_configmap(job: RLHFJob, uid: str) -> Manifest:
+    """The validated job with every default filled in: what the workers read (and what the operator acts on)."""
+    doc = job.model_dump(by_alias=True, exclude_none=True, exclude={"status"})
+    doc["metadata"] = {"name": job.metadata.name, "namespace": job.metadata.namespace}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(job, uid, names(job)["spec"]),
+            "data": {"job.yaml": yaml.safe_dump(doc, sort_keys=False)}}
+
+
+def token_secret(job: RLHFJob, uid: str, token: str) -> Manifest:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": _meta(job, uid, names(job)["token"]),
+            "stringData": {"token": token}}
+
+
+def headless_service(job: RLHFJob, uid: str) -> Manifest:
+    """DNS names for the pods (trainer rendezvous, generator URLs), also before they are ready."""
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(job, uid, names(job)["service"]),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {LABEL_JOB: job.metadata.name},
+                     "ports": [{"name": "generator", "port": job.spec.generator.port},
+                               {"name": "metrics", "port": TRAINER_METRICS_PORT}]}}
+
+
+def volcano_podgroup(job: RLHFJob, uid: str) -> Manifest | None:
+    sched = job.spec.scheduling
+    if not (sched.gang and sched.scheduler_name == "volcano"):
+        return None
+    group, version, _ = PODGROUP_API
+    spec: dict[str, Any] = {"minMember": len(expected_pods(job))}
+    if sched.queue_name:
+        spec["queue"] = sched.queue_name
+    if sched.priority_class_name:
+        spec["priorityClassName"] = sched.priority_class_name
+    return {"apiVersion": f"{group}/{version}", "kind": "PodGroup", "metadata": _meta(job, uid, names(job)["podgroup"]),
+            "spec": spec}
+
+
+def pod(job: RLHFJob, uid: str, role: str, index: int, attempt: int) -> Manifest:
+    """One pod of the gang. Non-root, read-only root filesystem, no service-account token: a worker needs no
+    Kubernetes API access."""
+    spec, name = job.spec, pod_name(job, role, index)
+    template: PodTemplate = spec.trainer if role == "trainer" else spec.generator
+    model_dir = spec.model.path or f"{WORK_DIR}/model"
+    run_dir = spec.checkpoint.path
+    env = [
+        _field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("POD_IP", "status.podIP"),
+        {"name": "PAT_JOB_TOKEN", "valueFrom": {"secretKeyRef": {"name": names(job)["token"], "key": "token"}}},
+        {"name": "PAT_ATTEMPT", "value": str(attempt)},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    mounts = [{"name": "spec", "mountPath": "/etc/pat", "readOnly": True},
+              {"name": "work", "mountPath": WORK_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "spec", "configMap": {"name": names(job)["spec"]}},
+        {"name": "work", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    if spec.model.volume is not None:
+        mounts.append({"name": "model", "mountPath": spec.model.mount_path, "readOnly": True})
+        volumes.append({"name": "model", **spec.model.volume})
+    if role == "trainer":
+        generators = [f"http://{pod_host(job, 'generator', i)}:{spec.generator.port}"
+                      for i in range(spec.generator.replicas)]
+        args = commands.trainer_args(spec, SPEC_FILE, model_dir, run_dir, generators, "$(POD_IP)",
+                                     metrics_port=TRAINER_METRICS_PORT if index == 0 else 0)
+        env += [{"name": "RANK", "value": str(index)}, {"name": "LOCAL_RANK", "value": "0"},
+                {"name": "WORLD_SIZE", "value": str(spec.trainer.replicas)},
+                {"name": "MASTER_ADDR", "value": pod_host(job, "trainer", 0)},
+                {"name": "MASTER_PORT", "value": str(MASTER_PORT)}]
+        ports = [{"name": "metrics", "containerPort": TRAINER_METRICS_PORT}]
+        probe = None
+        mounts.append({"name": "run", "mountPath": run_dir})
+        volumes.append({"name": "run", **(spec.checkpoint.volume or {"emptyDir": {}})})
+    else:
+        args = commands.generator_args(spec, model_dir, "$(POD_IP)")
+        ports = [{"name": "http", "containerPort": spec.generator.port}]
+        probe = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2, "failureThreshold": 1}
+        # The in-pod shared-memory communicators need more than the default 64 MiB /dev/shm.
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    env += [e.model_dump(by_alias=True, exclude_none=True) for e in template.env]
+    mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in template.volume_mounts]
+    volumes += template.volumes
+    container: dict[str, Any] = {
+        "name": role, "image": template.image, "imagePullPolicy": template.image_pull_policy,
+        "command": template.command or ["pat"], "env": env, "ports": ports, "volumeMounts": mounts,
+        "resources": _resources(template), "securityContext": _container_security()}
+    if template.command is None:
+        container["args"] = args
+    if probe is not None:
+        container["readinessProbe"] = probe
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",  # the operator restarts the whole gang, never one pod
+        "hostname": name, "subdomain": job.metadata.name,
+        "automountServiceAccountToken": False, "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container], "volumes": volumes}
+    if spec.model.tiny is not None and template.command is None:
+        pod_spec["initContainers"] = [{
+            "name": "prepare", "image": template.image, "imagePullPolicy": template.image_pull_policy,
+            "command": ["pat"], "args": commands.prepare_args(SPEC_FILE, model_dir),
+            "env": [{"name": "HOME", "value": "/tmp"}], "volumeMounts": mounts[:3],
+            "securityContext": _container_security()}]
+    sched = spec.scheduling
+    for key, value in (("schedulerName", sched.scheduler_name), ("priorityClassName", sched.priority_class_name)):
+        if value:
+            pod_spec[key] = value
+    if template.node_selector:
+        pod_spec["nodeSelector"] = dict(template.node_selector)
+    if template.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in template.tolerations]
+    if template.affinity:
+        pod_spec["affinity"] = template.affinity
+    if template.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [r.model_dump() for r in template.image_pull_secrets]
+    meta = _meta(job, uid, name, {LABEL_ROLE: role, LABEL_INDEX: str(index), LABEL_ATTEMPT: str(attempt)})
+    meta.update(_gang_metadata(job, attempt, meta["labels"]))
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def _gang_metadata(job: RLHFJob, attempt: int, pod_labels: dict[str, str]) -> dict[str, Any]:
+    """Kueue plain-pod group (labels + total count) or Volcano PodGroup membership, when those are used."""
+    sched, annotations = job.spec.scheduling, {}
+    if sched.gang and sched.queue_name:
+        pod_labels[KUEUE_QUEUE] = sched.queue_name
+        pod_labels[KUEUE_GROUP] = f"{job.metadata.name}-{attempt}"
+        annotations[KUEUE_TOTAL] = str(len(expected_pods(job)))
+    if sched.gang and sched.scheduler_name == "volcano":
+        annotations[VOLCANO_GROUP] = names(job)["podgroup"]
+    return {"annotations": annotations} if annotations else {}
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _resources(template: PodTemplate) -> dict[str, Any]:
+    requests, limits = dict(template.resources.requests), dict(template.resources.limits)
+    if template.gpus_per_pod:
+        requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = template.gpus_per_pod
+    out = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}

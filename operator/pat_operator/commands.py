@@ -1,0 +1,42 @@
+"""The worker command lines of an RLHFJob: one function per process kind, shared by the operator's pods and the
+local launcher (`pat run`), so that a job runs the same processes on Kubernetes and on one machine.
+
+Each returns the arguments after the `pat` command.
+"""
+
+from __future__ import annotations
+
+from .api import RLHFJobSpec
+
+
+def prepare_args(job_file: str, model_dir: str) -> list[str]:
+    """Builds the job's tiny model (deterministic from its seed) into model_dir, unless it is there already."""
+    return ["prepare", "--job", job_file, "--model", model_dir]
+
+
+def generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_file: str | None = None) -> list[str]:
+    g, a = spec.generator, spec.generator.adaptive_tp
+    controller = a.controller if a.enabled else "operator"  # off: the pod plans nothing and no plans arrive
+    args = ["generator", "--model", model_dir, "--ranks", str(g.ranks), "--host", host, "--port", str(g.port),
+            "--controller", controller, "--margin", str(a.min_gain), "--cooldown-steps", str(a.cooldown_steps),
+            "--migration", a.migration, "--max-batch", str(g.max_batch), "--max-seq", str(g.max_seq),
+            "--dtype", spec.model.dtype, "--tp-sizes", ",".join(map(str, g.tp_sizes))]
+    if a.profile:
+        args += ["--profile", a.profile]
+    if spec.tokenizer.path:
+        args += ["--tokenizer", spec.tokenizer.path]
+    if token_file:
+        args += ["--token-file", token_file]
+    return args
+
+
+def trainer_args(spec: RLHFJobSpec, job_file: str, model_dir: str, run_dir: str, generators: list[str], host: str,
+                 metrics_port: int = 0, weight_port: int = 0, token_file: str | None = None) -> list[str]:
+    args = ["trainer", "--job", job_file, "--model", model_dir, "--run-dir", run_dir,
+            "--generators", ",".join(generators), "--host", host, "--weight-port", str(weight_port),
+            "--metrics-port", str(metrics_port)]
+    if spec.tokenizer.path:
+        args += ["--tokenizer", spec.tokenizer.path]
+    if token_file:
+        args += ["--token-file", token_file]
+    return args

@@ -1,0 +1,275 @@
+"""The kopf handlers: thin. Each RLHFJob has one daemon that observes (the job, its pods from an in-memory index,
+the trainer's progress), calls the pure `reconcile.decide()`, and carries the decision out.
+
+Pod and job events only wake the daemon; it also wakes when the decision says something is due (a backoff, a
+deadline, a TTL) and every RESYNC_SECONDS anyway. With kopf peering, a paused operator stops its daemons, so two
+operator replicas never act on one job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import aiohttp
+import kopf
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.parser import text_string_to_metric_families
+
+from . import builders
+from . import metric_names as names
+from .api import GROUP, PHASES, VERSION, GeneratorPodStatus
+from .podclient import PodClient
+from .reconcile import Decision, Observed, Settings, decide, pod_view
+
+PLURAL = "rlhfjobs"
+RESYNC_SECONDS = 5.0
+OBSERVE_SECONDS = 2.0  # how often the trainer's progress and the generators' layouts are read
+STATUS_CATCH_UP_SECONDS = 5.0
+
+log = logging.getLogger("pat_operator")
+
+
+@dataclass
+class OperatorMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.reconciles = Counter(names.OPERATOR_RECONCILES, "reconciles of RLHFJobs", ["result"], registry=r)
+        self.reconcile_seconds = Histogram(names.OPERATOR_RECONCILE_SECONDS, "seconds per reconcile", registry=r,
+                                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.pods_created = Counter(names.OPERATOR_PODS_CREATED, "pods created", registry=r)
+        self.gang_restarts = Counter(names.OPERATOR_GANG_RESTARTS, "gang restarts", registry=r)
+        self.jobs = Gauge(names.OPERATOR_JOBS, "RLHFJobs by phase", ["phase"], registry=r)
+        self.api_errors = Counter(names.OPERATOR_API_ERRORS, "Kubernetes API calls refused", ["verb"], registry=r)
+
+
+@dataclass
+class Memo:
+    """What the operator keeps in memory (kopf's memo): clients, settings and per-job state."""
+    api: kubernetes.client.ApiClient
+    token_key: bytes
+    settings: Settings
+    metrics: OperatorMetrics
+    wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    ensured: set[tuple[str, str, str]] = field(default_factory=set)  # (job uid, kind, name) known to exist
+    phases: dict[tuple[str, str], str] = field(default_factory=dict)
+    session: aiohttp.ClientSession | None = None
+
+
+@kopf.index("pods", labels={builders.LABEL_JOB: kopf.PRESENT})
+def pods_by_job(namespace: str, labels: dict[str, str], body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict:
+    job = labels[builders.LABEL_JOB]
+    _wake(memo, namespace, job)
+    return {(namespace, job): pod_view(dict(body))}
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    _wake(memo, namespace, name)
+
+
+@kopf.on.probe(id="jobs")
+def jobs_probe(memo: kopf.Memo, **_: Any) -> int:
+    return len(memo.pat.phases)
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10)
+async def run_job(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, name: str, uid: str,
+                  pods_by_job: kopf.Index, memo: kopf.Memo, **_: Any) -> None:
+    m: Memo = memo.pat
+    key = (namespace, name)
+    wake = m.wakers.setdefault(key, asyncio.Event())
+    token = builders.job_token(m.token_key, uid)
+    observer = _Observer(m, token)
+    errors: tuple[str, ...] = ()
+    try:
+        while not stopped:
+            wake.clear()
+            started = time.monotonic()
+            snapshot = copy.deepcopy(dict(body))
+            pods = list(pods_by_job.get(key, []))
+            try:
+                iteration, generators = await observer.observe(snapshot, pods)
+                decision = decide(Observed(snapshot, pods, datetime.now(timezone.utc), token, iteration,
+                                           generators, errors), m.settings)
+                errors = await _carry_out(m, snapshot, decision)
+                if decision.status != snapshot.get("status"):
+                    await _catch_up(body, snapshot)
+                m.metrics.reconciles.labels("ok").inc()
+            except (ApiException, aiohttp.ClientError, OSError) as e:  # the API server is away: try again
+                log.warning("%s/%s: reconcile failed: %s", namespace, name, e)
+                m.metrics.reconciles.labels("error").inc()
+                decision = None
+            m.metrics.reconcile_seconds.observe(time.monotonic() - started)
+            if decision is not None:
+                m.phases[key] = decision.status["phase"]
+                _count_phases(m)
+                if decision.delete_job:
+                    return
+            resync = OBSERVE_SECONDS if observer.polling else RESYNC_SECONDS
+            timeout = min(decision.wake_after or resync, resync) if decision else 1.0
+            try:
+                await asyncio.wait_for(wake.wait(), timeout=max(timeout, 0.05))
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        m.wakers.pop(key, None)
+        m.phases.pop(key, None)
+        m.ensured -= {ident for ident in m.ensured if ident[0] == uid}
+        _count_phases(m)
+
+
+async def _carry_out(m: Memo, body: dict[str, Any], d: Decision) -> tuple[str, ...]:
+    """Applies a decision; returns what the API server refused (fed to the next decision)."""
+    meta = body["metadata"]
+    namespace, uid = meta["namespace"], meta["uid"]
+    core = kubernetes.client.CoreV1Api(m.api)
+    custom = kubernetes.client.CustomObjectsApi(m.api)
+    errors: list[str] = []
+
+    async def create(manifest: dict[str, Any]) -> bool:
+        kind, name = manifest["kind"], manifest["metadata"]["name"]
+        try:
+            if kind == "PodGroup":
+                group, version, plural = builders.PODGROUP_API
+                await asyncio.to_thread(custom.create_namespaced_custom_object, group, version, namespace, plural,
+                                        manifest)
+            else:
+                method = getattr(core, f"create_namespaced_{_snake(kind)}")
+                await asyncio.to_thread(method, namespace, manifest)
+            return True
+        except ApiException as e:
+            if e.status == 409:  # it exists already (an earlier reconcile, or before an operator restart)
+                return False
+            m.metrics.api_errors.labels("create").inc()
+            errors.append(f"creating {kind} {name}: {_reason(e)}")
+            return False
+
+    for manifest in d.ensure:
+        ident = (uid, manifest["kind"], manifest["metadata"]["name"])
+        if ident not in m.ensured:
+            refused = len(errors)
+            await create(manifest)
+            if len(errors) == refused:
+                m.ensured.add(ident)
+    created = [p["metadata"]["name"] for p in d.create_pods if await create(p)]
+    if created:
+        m.metrics.pods_created.inc(len(created))
+        kopf.event(body, type="Normal", reason="CreatedPods", message=f"created {', '.join(created)}")
+    for pod in d.delete_pods:
+        try:
+            await asyncio.to_thread(core.delete_namespaced_pod, pod, namespace)
+        except ApiException as e:
+            if e.status != 404:
+                m.metrics.api_errors.labels("delete").inc()
+                errors.append(f"deleting pod {pod}: {_reason(e)}")
+    old = body.get("status") or {}
+    if d.status != old:
+        patch = {**{k: None for k in old if k not in d.status}, **d.status}
+        try:
+            await asyncio.to_thread(custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace,
+                                    PLURAL, meta["name"], {"status": patch})
+        except ApiException as e:
+            m.metrics.api_errors.labels("patch").inc()
+            raise e
+    for event in d.events:
+        if event.reason == "GangRestart":
+            m.metrics.gang_restarts.inc()
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+    if d.delete_job:
+        await asyncio.to_thread(custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
+                                meta["name"])
+    return tuple(errors)
+
+
+async def _catch_up(body: kopf.Body, snapshot: dict[str, Any]) -> None:
+    """After a status write, waits (briefly) until the watch delivers it, so that the next decision starts from
+    the status just written rather than the one before it."""
+    deadline = time.monotonic() + STATUS_CATCH_UP_SECONDS
+    old = snapshot["metadata"].get("resourceVersion")
+    while body.get("status") == snapshot.get("status") and body.metadata.get("resourceVersion") == old:
+        if time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.05)
+
+
+class _Observer:
+    """Reads what only the pods know: the trainer's completed iteration (its /metrics) and each generator pod's
+    TP layout and epoch (its /v1/state, with the job's token). Best effort: a pod that does not answer is
+    skipped, its last known values stay in the status."""
+
+    def __init__(self, m: Memo, token: str):
+        self.m, self.token = m, token
+        self.last = 0.0
+        self.polling = False  # whether the last observation found pods to read
+        self.iteration: int | None = None
+        self.generators: dict[str, GeneratorPodStatus] = {}
+
+    async def observe(self, body: dict[str, Any], pods: list) -> tuple[int | None, dict[str, GeneratorPodStatus]]:
+        now = time.monotonic()
+        spec = body.get("spec") or {}
+        custom = any((spec.get(role) or {}).get("command") for role in builders.ROLES)
+        if now - self.last < OBSERVE_SECONDS or custom:  # a custom command need not speak the pat protocol
+            return self.iteration, self.generators
+        self.last = now
+        running = [p for p in pods if p.phase == "Running" and p.ip and not p.deleting]
+        self.polling = bool(running)
+        if self.m.session is None:
+            self.m.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
+        await asyncio.gather(*(self._trainer(p) for p in running if p.role == "trainer" and p.index == 0),
+                             *(self._generator(p, spec) for p in running if p.role == "generator" and p.ready))
+        return self.iteration, self.generators
+
+    async def _trainer(self, pod) -> None:
+        try:
+            async with self.m.session.get(f"http://{pod.ip}:{builders.TRAINER_METRICS_PORT}/metrics") as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return
+        for family in text_string_to_metric_families(text):
+            if family.name == names.TRAINER_ITERATION and family.samples:
+                self.iteration = int(family.samples[0].value)
+
+    async def _generator(self, pod, spec: dict[str, Any]) -> None:
+        port = (spec.get("generator") or {}).get("port", 8000)
+        try:
+            state = await PodClient(f"http://{pod.ip}:{port}", self.token, self.m.session).state()
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return
+        old = self.generators.get(pod.name) or GeneratorPodStatus(pod=pod.name)
+        self.generators[pod.name] = old.model_copy(update={"layout": state.layout, "applied_epoch": state.epoch})
+
+
+def _wake(memo: kopf.Memo, namespace: str, job: str) -> None:
+    pat = getattr(memo, "pat", None)
+    if pat is not None and (event := pat.wakers.get((namespace, job))) is not None:
+        event.set()
+
+
+def _count_phases(m: Memo) -> None:
+    counts: dict[str, int] = {}
+    for phase in m.phases.values():
+        counts[phase] = counts.get(phase, 0) + 1
+    for phase in PHASES:
+        m.metrics.jobs.labels(phase).set(counts.get(phase, 0))
+
+
+def _snake(kind: str) -> str:
+    return {"ConfigMap": "config_map", "Secret": "secret", "Service": "service", "Pod": "pod"}[kind]
+
+
+def _reason(e: ApiException) -> str:
+    try:
+        return json.loads(e.body).get("message", e.reason)
+    except (TypeError, ValueError):
+        return str(e.reason)

@@ -1,0 +1,334 @@
+"""A real Kubernetes v1.20.2 control plane on loopback: etcd, kube-apiserver, kube-controller-manager, kube-scheduler.
+
+No kubelet and no container runtime: tests.cluster.kubelet.ProcessKubelet runs the pods as local processes.
+
+    python -m tests.cluster.controlplane start [--no-kubelet]   run until Ctrl-C (prints export lines)
+    python -m tests.cluster.controlplane env                    print the export lines of the running one
+
+The binaries come from $KUBEBUILDER_ASSETS or scripts/controlplane-build.sh (which builds them once into a cache).
+$PAT_TEST_KUBECONFIG names an existing cluster to use instead (kind, minikube, a real one): see cluster_from_env.
+This module needs only the standard library (attach_existing needs PyYAML, a project dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import base64
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = REPO / "scripts" / "controlplane-build.sh"
+STATE_FILE = Path(os.environ.get("PAT_CACHE", Path.home() / ".cache" / "pat-rlhf")) / "controlplane.json"
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc"
+
+
+def binaries_dir() -> Path:
+    """$KUBEBUILDER_ASSETS (validated by the build script) or the build script's cache; builds on first use."""
+    result = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{BUILD_SCRIPT} failed with exit code {result.returncode} (its stderr is above)")
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_kubeconfig(path: Path, server: str, ca_file: str | None, token: str, user: str = "admin") -> Path:
+    """JSON is YAML: every kubeconfig reader (kubectl, client-go, the Python client) accepts it."""
+    cluster: dict = {"server": server}
+    if ca_file:
+        cluster["certificate-authority"] = str(ca_file)
+    else:
+        cluster["insecure-skip-tls-verify"] = True
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "pat",
+        "clusters": [{"name": "pat", "cluster": cluster}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "pat", "context": {"cluster": "pat", "user": user}}],
+    }
+    path.write_text(json.dumps(config, indent=1))
+    path.chmod(0o600)
+    return path
+
+
+@dataclass
+class Component:
+    name: str
+    process: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class ControlPlane:
+    """Start with .start() (or use as a context manager); .stop() kills everything and removes the temp dir."""
+
+    bin_dir: Path | None = None
+    keep_dir: bool = False  # leave the temp dir (logs, data) behind after stop, for debugging
+    root: Path = field(init=False)
+    server: str = field(init=False, default="")
+    admin_token: str = field(init=False, default="")
+    ca_file: str = field(init=False, default="")
+    kubeconfig: str = field(init=False, default="")
+    startup_seconds: float = field(init=False, default=0.0)
+    components: list[Component] = field(init=False, default_factory=list)
+
+    def __enter__(self) -> ControlPlane:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 60.0) -> ControlPlane:
+        bin_dir = self.bin_dir or binaries_dir()
+        started = time.monotonic()
+        self.root = Path(tempfile.mkdtemp(prefix="pat-controlplane-"))
+        atexit.register(self.stop)  # a test process that dies of an exception leaves no control plane behind
+        try:
+            self._start(bin_dir, started + timeout)
+        except BaseException:
+            sys.stderr.write(self.describe_logs())
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - started
+        return self
+
+    def _start(self, bin_dir: Path, deadline: float) -> None:
+        root = self.root
+        etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
+        self.admin_token = secrets.token_hex(16)
+        (root / "tokens.csv").write_text(f"{self.admin_token},admin,admin,system:masters\n")
+        sa_key = root / "sa.key"
+        subprocess.run(["openssl", "genrsa", "-out", str(sa_key), "2048"], check=True, capture_output=True)
+
+        self._spawn("etcd", [
+            str(bin_dir / "etcd"), "--data-dir", str(root / "etcd"), "--unsafe-no-fsync",
+            "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--initial-cluster", f"default=http://127.0.0.1:{peer_port}",
+        ])
+        cert_dir = root / "certs"
+        self._spawn("kube-apiserver", [
+            str(bin_dir / "kube-apiserver"),
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--secure-port={api_port}", "--insecure-port=0", f"--cert-dir={cert_dir}",
+            f"--token-auth-file={root / 'tokens.csv'}", "--authorization-mode=Node,RBAC",
+            f"--service-account-key-file={sa_key}", f"--service-account-signing-key-file={sa_key}",
+            f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+            "--service-cluster-ip-range=10.96.0.0/16", "--disable-admission-plugins=ServiceAccount",
+            "--allow-privileged=true",
+            # The `kubernetes` Service's endpoints would be 127.0.0.1, which Endpoints validation rejects.
+            "--endpoint-reconciler-type=none",
+        ])
+        self.server = f"https://127.0.0.1:{api_port}"
+        # The apiserver writes a self-signed serving cert (valid for 127.0.0.1) followed by its CA into one file.
+        self.ca_file = str(cert_dir / "apiserver.crt")
+        self._wait(deadline, "kube-apiserver /readyz", lambda: self._get("/readyz") == 200)
+        self.kubeconfig = str(write_kubeconfig(root / "admin.kubeconfig", self.server, self.ca_file, self.admin_token))
+
+        self._spawn("kube-controller-manager", [
+            str(bin_dir / "kube-controller-manager"), f"--kubeconfig={self.kubeconfig}",
+            "--leader-elect=false", "--port=0", "--secure-port=0",
+            # Endpoints validation rejects the kubelet's loopback pod IPs (EndpointSlices take them): without this
+            # controller a Service has no Endpoints object instead of an empty one plus an error event per change.
+            "--controllers=*,-endpoint",
+            "--use-service-account-credentials=false",
+            f"--service-account-private-key-file={sa_key}", f"--root-ca-file={self.ca_file}",
+            "--kube-api-qps=200", "--kube-api-burst=400",
+        ])
+        self._spawn("kube-scheduler", [
+            str(bin_dir / "kube-scheduler"), f"--kubeconfig={self.kubeconfig}",
+            "--leader-elect=false", "--port=0", "--secure-port=0",
+            "--kube-api-qps=200", "--kube-api-burst=400",
+        ])
+        # The controller-manager is working once it has made the default ServiceAccount (namespaces need it).
+        self._wait(deadline, "the controller-manager's default ServiceAccount",
+                   lambda: self._get("/api/v1/namespaces/default/serviceaccounts/default") == 200)
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = self.root / f"{name}.log"
+        with open(log, "wb") as out:
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                       start_new_session=True)  # own process group: stop() signals its children too
+        self.components.append(Component(name, process, log))
+
+    def _get(self, path: str) -> int:
+        context = ssl.create_default_context(cafile=self.ca_file) if Path(self.ca_file).exists() else None
+        if context is None:
+            return 0
+        request = urllib.request.Request(self.server + path, headers={"Authorization": f"Bearer {self.admin_token}"})
+        try:
+            with urllib.request.urlopen(request, context=context, timeout=5) as response:
+                return response.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except (OSError, ssl.SSLError):
+            return 0
+
+    def _wait(self, deadline: float, what: str, ok: Callable[[], bool]) -> None:
+        while not ok():
+            for c in self.components:
+                if c.process.poll() is not None:
+                    raise RuntimeError(f"{c.name} exited with code {c.process.returncode} while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}")
+            time.sleep(0.1)
+
+    def describe_logs(self) -> str:
+        lines = [f"control plane logs under {self.root}:"]
+        for c in self.components:
+            tail = c.log.read_text(errors="replace").splitlines()[-15:] if c.log.exists() else []
+            lines.append(f"--- {c.name} ({c.log}), last lines:")
+            lines.extend(tail)
+        return "\n".join(lines) + "\n"
+
+    def stop(self) -> None:
+        atexit.unregister(self.stop)
+        # etcd last: an apiserver that loses it first stalls its shutdown.
+        clients = [c for c in self.components if c.name != "etcd"]
+        for group in (clients, [c for c in self.components if c.name == "etcd"]):
+            for c in group:
+                _signal_group(c.process, signal.SIGTERM)
+            for c in group:
+                try:
+                    c.process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    _signal_group(c.process, signal.SIGKILL)
+                    c.process.wait()
+        self.components.clear()
+        if not self.keep_dir and getattr(self, "root", None):
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@dataclass
+class ExistingCluster:
+    """The cluster of an existing kubeconfig; stop() leaves it alone. admin_token is empty for certificate users."""
+
+    kubeconfig: str
+    server: str = ""
+    ca_file: str = ""
+    admin_token: str = ""
+    startup_seconds: float = 0.0
+    _written_ca: bool = False  # ca_file is a temp file this object wrote from certificate-authority-data
+
+    def __post_init__(self) -> None:
+        import yaml  # only this path reads YAML kubeconfigs
+
+        config = yaml.safe_load(Path(self.kubeconfig).read_text())
+        context_name = config.get("current-context")
+        context = next(c["context"] for c in config["contexts"] if c["name"] == context_name)
+        cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
+        user = next((u["user"] for u in config.get("users", []) if u["name"] == context.get("user")), {})
+        self.server = cluster["server"]
+        self.admin_token = user.get("token", "")
+        if "certificate-authority-data" in cluster:
+            fd, path = tempfile.mkstemp(prefix="pat-cluster-ca-", suffix=".crt")
+            os.write(fd, base64.b64decode(cluster["certificate-authority-data"]))
+            os.close(fd)
+            self.ca_file, self._written_ca = path, True
+        elif "certificate-authority" in cluster:
+            self.ca_file = str(Path(self.kubeconfig).parent / cluster["certificate-authority"])
+
+    def start(self) -> ExistingCluster:
+        return self
+
+    def stop(self) -> None:
+        if self._written_ca:
+            os.unlink(self.ca_file)
+
+
+def cluster_from_env() -> ControlPlane | ExistingCluster:
+    """The cluster $PAT_TEST_KUBECONFIG names, or a fresh local control plane (not started yet)."""
+    path = os.environ.get("PAT_TEST_KUBECONFIG")
+    if path:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"PAT_TEST_KUBECONFIG={path} is not a file")
+        return ExistingCluster(path)
+    return ControlPlane()
+
+
+def _export_lines(state: dict) -> str:
+    return "\n".join(f"export {k}={v}" for k, v in state["env"].items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", help="start a control plane (and a process kubelet) and run until Ctrl-C")
+    start.add_argument("--no-kubelet", action="store_true", help="no node: pods stay Pending")
+    start.add_argument("--node", default="pat-node-0")
+    start.add_argument("--gpus", type=int, default=16)
+    sub.add_parser("env", help="print export lines for the control plane that `start` runs")
+    args = parser.parse_args(argv)
+
+    if args.command == "env":
+        if not STATE_FILE.exists():
+            print(f"no running control plane ({STATE_FILE} is missing): run `start` first", file=sys.stderr)
+            return 1
+        state = json.loads(STATE_FILE.read_text())
+        try:
+            os.kill(state["pid"], 0)
+        except ProcessLookupError:
+            print(f"the control plane of {STATE_FILE} (pid {state['pid']}) is gone", file=sys.stderr)
+            return 1
+        print(_export_lines(state))
+        return 0
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a shell's background job starts with it ignored
+        signal.signal(sig, lambda *_: stop.set())
+    plane = cluster_from_env().start()
+    kubelet = None
+    try:
+        if not args.no_kubelet and os.environ.get("PAT_TEST_NO_KUBELET") != "1":
+            sys.path.insert(0, str(REPO))  # also when run by path, not with -m
+            from tests.cluster.kubelet import ProcessKubelet
+
+            kubelet = ProcessKubelet(plane.kubeconfig, node_name=args.node, gpus=args.gpus).start()
+        # Not PAT_TEST_KUBECONFIG: pytest would start a second kubelet for the same node (use --no-kubelet for that).
+        state = {"pid": os.getpid(), "env": {"KUBECONFIG": plane.kubeconfig}}
+        STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
+        STATE_FILE.write_text(json.dumps(state))
+        print(f"# ready in {plane.startup_seconds:.1f} s; server {plane.server}"
+              + (f"; node {args.node}, pod logs under {kubelet.root}/logs" if kubelet else ""), flush=True)
+        print(_export_lines(state), flush=True)
+        stop.wait()
+    finally:
+        STATE_FILE.unlink(missing_ok=True)
+        if kubelet:
+            kubelet.stop()
+        plane.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The gang's life cycle on a real API server: stand-in worker commands (the state machine does not need real
+workers; tests/operator/test_workers.py runs the real ones)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import kubernetes
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from .conftest import SERVE, SLEEP, job_doc, phase
+from .harness import SERVICE_ACCOUNT, SYSTEM_NAMESPACE
+
+pytestmark = pytest.mark.cluster
+
+
+def test_children_are_owned_labelled_and_the_gang_runs_when_all_are_ready(jobs, cluster):
+    created = jobs.create(job_doc("gang", SLEEP, SERVE))
+    job = jobs.wait("gang", phase("Running"), "Running")
+    uid = created["metadata"]["uid"]
+    core = jobs.core
+    for obj in (core.read_namespaced_config_map("gang-spec", jobs.namespace),
+                core.read_namespaced_service("gang", jobs.namespace),
+                core.read_namespaced_secret("gang-token", jobs.namespace), *jobs.pods("gang")):
+        (ref,) = obj.metadata.owner_references
+        assert (ref.kind, ref.uid, ref.controller) == ("RLHFJob", uid, True)
+        assert obj.metadata.labels["pat.dev/job"] == "gang"
+    pods = {p.metadata.name: p for p in jobs.pods("gang")}
+    assert sorted(pods) == ["gang-generator-0", "gang-trainer-0"]
+    assert all(p.status.pod_ip.startswith("127.0.0.") for p in pods.values())
+    assert pods["gang-generator-0"].spec.security_context.run_as_user == 1000
+    conditions = {c["type"]: c for c in job["status"]["conditions"]}
+    assert conditions["Running"]["status"] == "True" and conditions["Running"]["observedGeneration"] == 1
+    assert job["status"]["restarts"] == 0 and job["status"]["startTime"]
+    assert any(e.startswith("CreatedPods") for e in jobs.events("gang"))
+
+
+def test_a_killed_pod_restarts_the_gang_and_past_the_backoff_limit_the_job_stays_failed(jobs, cluster):
+    jobs.create(job_doc("flaky", SLEEP, SERVE, backoffLimit=1))
+    jobs.wait("flaky", phase("Running"), "Running")
+    first = {p.metadata.name: p.metadata.uid for p in jobs.pods("flaky")}
+    for pid in cluster.kubelet.pids(jobs.namespace, "flaky-trainer-0"):
+        os.kill(pid, signal.SIGKILL)
+    job = jobs.wait("flaky", lambda j: j["status"].get("restarts") == 1 and phase("Running")(j), "restarted once")
+    second = {p.metadata.name: p.metadata.uid for p in jobs.pods("flaky")}
+    assert sorted(second) == sorted(first) and not set(second.values()) & set(first.values())  # the whole gang
+    assert all(p.metadata.labels["pat.dev/attempt"] == "1" for p in jobs.pods("flaky"))
+    assert any(e.startswith("GangRestart") and "exited with code 137" in e for e in jobs.events("flaky"))
+    for pid in cluster.kubelet.pids(jobs.namespace, "flaky-generator-0"):
+        os.kill(pid, signal.SIGKILL)
+    job = jobs.wait("flaky", phase("Failed"), "Failed")
+    failed = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "BackoffLimitExceeded" and "flaky-generator-0" in failed["message"]
+    time.sleep(4)  # longer than the restart backoff: nothing may come back
+    assert all(p.status.phase in ("Failed", "Succeeded") or p.metadata.deletion_timestamp
+               for p in jobs.pods("flaky"))
+    assert jobs.get("flaky")["status"]["phase"] == "Failed" and jobs.get("flaky")["status"]["restarts"] == 1
+
+
+def test_suspend_deletes_the_pods_keeps_the_status_and_resume_recreates_them(jobs):
+    jobs.create(job_doc("pause", SLEEP, SERVE))
+    jobs.wait("pause", phase("Running"), "Running")
+    before = {p.metadata.uid for p in jobs.pods("pause")}
+    jobs.patch_spec("pause", {"runPolicy": {"suspend": True}})
+    jobs.wait("pause", lambda j: phase("Suspended")(j) and not jobs.pods("pause"), "Suspended, pods gone")
+    jobs.patch_spec("pause", {"runPolicy": {"suspend": False}})
+    job = jobs.wait("pause", phase("Running"), "Running again")
+    assert job["status"]["restarts"] == 0 and not before & {p.metadata.uid for p in jobs.pods("pause")}
+    reasons = [e.split(":")[0] for e in jobs.events("pause")]
+    assert "Suspended" in reasons and "Resumed" in reasons
+
+
+def test_success_keeps_the_trainer_pod_then_ttl_deletes_everything(jobs, cluster):
+    cluster.wait_for_garbage_collector("pat.dev/v1alpha1", "RLHFJob", jobs.namespace)
+    jobs.create(job_doc("done", ["python", "-c", "print('trained')"], SERVE, ttlSecondsAfterFinished=4))
+    job = jobs.wait("done", phase("Succeeded"), "Succeeded")
+    assert job["status"]["completionTime"]
+    jobs.wait("done", lambda j: [p.metadata.name for p in jobs.pods("done")] == ["done-trainer-0"],
+              "generators deleted, the finished trainer kept for its logs")
+    deadline = time.monotonic() + 30
+    while jobs.exists("done"):
+        assert time.monotonic() < deadline, "the TTL did not delete the job"
+        time.sleep(0.5)
+    _wait_gone(lambda: jobs.pods("done") or _children(jobs, "done"), "children garbage-collected")
+
+
+def test_active_deadline_fails_the_job(jobs):
+    jobs.create(job_doc("late", SLEEP, SERVE, activeDeadlineSeconds=3))
+    job = jobs.wait("late", phase("Failed"), "Failed", timeout=30)
+    assert next(c for c in job["status"]["conditions"] if c["type"] == "Failed")["reason"] == "DeadlineExceeded"
+    _wait_gone(lambda: [p for p in jobs.pods("late") if p.status.phase == "Running"], "pods stopped")
+
+
+def test_delete_garbage_collects_everything_and_leaves_no_finalizer(jobs, cluster):
+    cluster.wait_for_garbage_collector("pat.dev/v1alpha1", "RLHFJob", jobs.namespace)
+    jobs.create(job_doc("gone", SLEEP, SERVE))
+    jobs.wait("gone", phase("Running"), "Running")
+    assert jobs.get("gone")["metadata"].get("finalizers")  # kopf's, while its daemon runs
+    jobs.delete("gone")
+    _wait_gone(lambda: jobs.exists("gone"), "the job (its finalizer removed)")
+    _wait_gone(lambda: jobs.pods("gone") or _children(jobs, "gone"), "children garbage-collected")
+
+
+def test_operator_restart_mid_job_makes_no_duplicates_and_keeps_the_status(jobs, operator):
+    jobs.create(job_doc("steady", SLEEP, SERVE))
+    jobs.wait("steady", phase("Running"), "Running")
+    pods = {p.metadata.name: p.metadata.uid for p in jobs.pods("steady")}
+    status = jobs.get("steady")["status"]
+    operator.restart()
+    time.sleep(5)  # a full resync interval of the new process
+    assert {p.metadata.name: p.metadata.uid for p in jobs.pods("steady")} == pods
+    after = jobs.get("steady")["status"]
+    assert after["conditions"] == status["conditions"] and after["restarts"] == 0
+    # ... and the new process acts: a killed pod is still noticed.
+    jobs.patch_spec("steady", {"runPolicy": {"suspend": True}})
+    jobs.wait("steady", phase("Suspended"), "Suspended by the restarted operator")
+
+
+def test_an_invalid_job_is_marked_failed_naming_the_field(jobs):
+    doc = job_doc("bad", SLEEP, SERVE)
+    doc["spec"]["generator"]["adaptiveTP"]["tpSizes"] = [1, 3]  # the 1.20 server has no CEL to refuse it
+    doc["spec"]["algorithm"]["clipRatoi"] = 0.2  # a typo, kept by the schema so that the operator can name it
+    jobs.create(doc)
+    job = jobs.wait("bad", phase("Failed"), "Failed")
+    failed = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "InvalidSpec"
+    assert "tpSizes" in failed["message"] and "spec.algorithm.clipRatoi" in failed["message"]
+    assert jobs.pods("bad") == [] and any(e.startswith("InvalidSpec") for e in jobs.events("bad"))
+
+
+def test_volcano_gets_a_podgroup_owned_by_the_job(jobs, cluster):
+    ext = kubernetes.client.ApiextensionsV1Api(cluster.api_client())
+    try:  # a minimal stand-in for Volcano's CRD: the operator only creates the object
+        ext.create_custom_resource_definition({
+            "metadata": {"name": "podgroups.scheduling.volcano.sh"},
+            "spec": {"group": "scheduling.volcano.sh", "scope": "Namespaced",
+                     "names": {"plural": "podgroups", "singular": "podgroup", "kind": "PodGroup"},
+                     "versions": [{"name": "v1beta1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                         "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]}})
+    except ApiException as e:
+        if e.status != 409:
+            raise
+    doc = job_doc("vc", SLEEP, SERVE)
+    doc["spec"]["scheduling"] = {"schedulerName": "volcano"}
+    jobs.create(doc)
+    custom = kubernetes.client.CustomObjectsApi(cluster.api_client())
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            group = custom.get_namespaced_custom_object("scheduling.volcano.sh", "v1beta1", jobs.namespace,
+                                                        "podgroups", "vc")
+            break
+        except ApiException as e:
+            assert e.status == 404 and time.monotonic() < deadline, "no PodGroup"
+            time.sleep(0.5)
+    assert group["spec"]["minMember"] == 2 and group["metadata"]["ownerReferences"][0]["name"] == "vc"
+    pods = jobs.pods("vc")
+    assert len(pods) == 2 and all(p.spec.scheduler_name == "volcano" for p in pods)
+    assert all(p.metadata.annotations["scheduling.k8s.io/group-name"] == "vc" for p in pods)
+
+
+def test_the_operator_cannot_read_secrets_and_serves_health_and_metrics(cluster, operator, jobs):
+    token = cluster.token_for(SYSTEM_NAMESPACE, SERVICE_ACCOUNT)
+    as_operator = kubernetes.client.CoreV1Api(kubernetes.config.new_client_from_config(
+        str(cluster.kubeconfig_for_token(token))))
+    jobs.core.create_namespaced_secret(jobs.namespace, {"metadata": {"name": "someone-elses"},
+                                                        "stringData": {"password": "x"}})
+    for call in (lambda: as_operator.read_namespaced_secret("someone-elses", jobs.namespace),
+                 lambda: as_operator.list_namespaced_secret(jobs.namespace),
+                 lambda: as_operator.list_namespaced_config_map(jobs.namespace)):
+        with pytest.raises(ApiException) as e:
+            call()
+        assert e.value.status == 403
+    # Negative control: the admin can, so the 403 is the RBAC's doing.
+    assert jobs.core.read_namespaced_secret("someone-elses", jobs.namespace).data
+    assert operator.live()
+    text = operator.metrics()
+    assert "pat_operator_reconciles_total{result=\"ok\"}" in text and "pat_operator_pods_created_total" in text
+
+
+def _children(jobs, name: str) -> list[str]:
+    found = []
+    for kind, read in (("configmap", jobs.core.read_namespaced_config_map),
+                       ("secret", jobs.core.read_namespaced_secret), ("service", jobs.core.read_namespaced_service)):
+        try:
+            read(f"{name}-spec" if kind == "configmap" else f"{name}-token" if kind == "secret" else name,
+                 jobs.namespace)
+            found.append(kind)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+    return found
+
+
+def _wait_gone(present, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while present():
+        assert time.monotonic() < deadline, f"{what}: still there after {timeout:.0f} s"
+        time.sleep(0.5)

@@ -1,0 +1,52 @@
+"""A real RLHFJob through the operator: the pods run the real generator and trainer (tiny model built in each
+pod's init container), a killed trainer makes the gang restart and resume from its checkpoint, and the job
+succeeds after its iterations."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from .conftest import job_doc, phase
+
+pytestmark = pytest.mark.cluster
+ITERATIONS = 30
+
+
+def real_job(name: str) -> dict:
+    doc = job_doc(name, backoffLimit=2)
+    spec = doc["spec"]
+    spec["algorithm"].update(iterations=ITERATIONS, promptsPerIteration=8, samplesPerPrompt=4, maxResponseTokens=24)
+    spec["reward"]["overlongBuffer"] = 4
+    spec["generator"].update(maxBatch=16, maxSeq=64)
+    spec["checkpoint"] = {"everyIterations": 1, "keep": 2, "path": "/var/lib/pat/run",
+                          "volume": {"persistentVolumeClaim": {"claimName": f"{name}-run"}}}
+    return doc
+
+
+def test_real_workers_run_restart_from_a_checkpoint_and_succeed(jobs, cluster):
+    jobs.create(real_job("grpo"))
+    job = jobs.wait("grpo", lambda j: "grpo-run" in _running_message(j), "the missing claim named")
+    assert "Unschedulable" in _running_message(job)  # why the gang waits, in its status
+    jobs.core.create_namespaced_persistent_volume_claim(jobs.namespace, {
+        "metadata": {"name": "grpo-run"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+    logs = lambda: "\n".join(f"--- {p.metadata.name}\n{cluster.kubelet.log(jobs.namespace, p.metadata.name, c)[-3000:]}"  # noqa: E731
+                             for p in jobs.pods("grpo") for c in ("prepare", p.metadata.labels["pat.dev/role"]))
+    jobs.wait("grpo", phase("Running"), "Running", timeout=180, explain=logs)
+    job = jobs.wait("grpo", lambda j: j["status"].get("iteration", 0) >= 2, "iteration 2", timeout=240, explain=logs)
+    layouts = job["status"]["generators"]
+    assert layouts[0]["pod"] == "grpo-generator-0" and sum(layouts[0]["layout"]) == 2  # read from the pod
+    for pid in cluster.kubelet.pids(jobs.namespace, "grpo-trainer-0"):
+        os.kill(pid, signal.SIGKILL)
+    jobs.wait("grpo", lambda j: j["status"].get("restarts") == 1, "gang restart", timeout=60, explain=logs)
+    job = jobs.wait("grpo", phase("Succeeded"), "Succeeded", timeout=300, explain=logs)
+    assert job["status"]["iteration"] == ITERATIONS and job["status"]["restarts"] == 1
+    trainer_log = cluster.kubelet.log(jobs.namespace, "grpo-trainer-0", "trainer")
+    assert "resumed from iter-" in trainer_log, trainer_log[-2000:]
+
+
+def _running_message(job: dict) -> str:
+    return next((c["message"] for c in (job.get("status") or {}).get("conditions", []) if c["type"] == "Running"), "")

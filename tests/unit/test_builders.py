@@ -1,0 +1,95 @@
+"""Pure pod / service / secret builders: owners, labels, env, resources, security, gang metadata."""
+
+from pathlib import Path
+
+import yaml
+
+from pat_operator import builders
+from pat_operator.api import parse_job
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "local.yaml"
+
+
+def job(**spec_edits):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["namespace"] = "team"
+    for key, value in spec_edits.items():
+        doc["spec"][key] = {**doc["spec"].get(key, {}), **value}
+    return parse_job(doc)
+
+
+def env_of(container) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_trainer_pod_is_owned_non_root_and_finds_its_generators():
+    j = job(trainer={"gpusPerPod": 2, "resources": {"requests": {"cpu": "4"}}, "nodeSelector": {"gpu": "h200"},
+                     "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]},
+            checkpoint={"volume": {"persistentVolumeClaim": {"claimName": "ckpt"}}})
+    pod = builders.pod(j, "uid-1", "trainer", 0, attempt=3)
+    meta, spec = pod["metadata"], pod["spec"]
+    assert meta["name"] == "arithmetic-grpo-trainer-0" and meta["namespace"] == "team"
+    assert meta["ownerReferences"] == [{"apiVersion": "pat.dev/v1alpha1", "kind": "RLHFJob", "name": "arithmetic-grpo",
+                                        "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}]
+    assert meta["labels"][builders.LABEL_ATTEMPT] == "3" and meta["labels"][builders.LABEL_ROLE] == "trainer"
+    assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 1000
+    assert (spec["hostname"], spec["subdomain"], spec["nodeSelector"]) == (meta["name"], "arithmetic-grpo",
+                                                                           {"gpu": "h200"})
+    (c,) = spec["containers"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["resources"] == {"requests": {"cpu": "4", "nvidia.com/gpu": 2}, "limits": {"nvidia.com/gpu": 2}}
+    env = env_of(c)
+    assert env["PAT_JOB_TOKEN"] == {"secretKeyRef": {"name": "arithmetic-grpo-token", "key": "token"}}
+    assert env["MASTER_ADDR"] == "arithmetic-grpo-trainer-0.arithmetic-grpo.team.svc" and env["NCCL_DEBUG"] == "INFO"
+    assert env["PAT_ATTEMPT"] == "3" and env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    args = c["args"]
+    assert args[0] == "trainer" and args[args.index("--host") + 1] == "$(POD_IP)"
+    assert args[args.index("--generators") + 1] == "http://arithmetic-grpo-generator-0.arithmetic-grpo.team.svc:8000"
+    assert {"name": "run", "persistentVolumeClaim": {"claimName": "ckpt"}} in spec["volumes"]
+    assert spec["initContainers"][0]["args"][:1] == ["prepare"]  # the tiny model is built in the pod
+
+
+def test_generator_pod_has_probe_shm_and_the_adaptive_tp_settings():
+    j = job(generator={"adaptiveTP": {"tpSizes": [1, 2], "minGain": 0.3, "controller": "operator"}})
+    (c,) = builders.pod(j, "u", "generator", 0, 0)["spec"]["containers"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    a = c["args"]
+    assert [a[a.index(f) + 1] for f in ("--ranks", "--controller", "--margin", "--tp-sizes", "--host")] == [
+        "2", "operator", "0.3", "1,2", "$(POD_IP)"]
+
+
+def test_custom_command_replaces_the_worker_and_its_init_container():
+    j = job(generator={"command": ["sleep", "infinity"]})
+    spec = builders.pod(j, "u", "generator", 0, 0)["spec"]
+    assert spec["containers"][0]["command"] == ["sleep", "infinity"] and "args" not in spec["containers"][0]
+    assert "initContainers" not in spec
+
+
+def test_gang_metadata_for_kueue_and_volcano():
+    kueue = builders.pod(job(scheduling={"queueName": "team-a"}), "u", "generator", 1, 2)["metadata"]
+    assert kueue["labels"][builders.KUEUE_QUEUE] == "team-a"
+    assert kueue["labels"][builders.KUEUE_GROUP] == "arithmetic-grpo-2"
+    assert kueue["annotations"][builders.KUEUE_TOTAL] == "2"
+    v = job(scheduling={"schedulerName": "volcano", "priorityClassName": "high"})
+    pod = builders.pod(v, "u", "trainer", 0, 0)
+    assert pod["spec"]["schedulerName"] == "volcano" and pod["spec"]["priorityClassName"] == "high"
+    assert pod["metadata"]["annotations"][builders.VOLCANO_GROUP] == "arithmetic-grpo"
+    group = builders.volcano_podgroup(v, "u")
+    assert group["spec"] == {"minMember": 2, "priorityClassName": "high"} and group["kind"] == "PodGroup"
+    assert builders.volcano_podgroup(job(), "u") is None
+    plain = builders.pod(job(scheduling={"queueName": "team-a", "gang": False}), "u", "trainer", 0, 0)["metadata"]
+    assert builders.KUEUE_GROUP not in plain["labels"] and "annotations" not in plain
+
+
+def test_configmap_holds_the_validated_spec_with_defaults_and_the_token_is_derived():
+    j = job()
+    doc = yaml.safe_load(builders.spec_configmap(j, "u")["data"]["job.yaml"])
+    assert parse_job(doc) == j.model_copy(update={"metadata": j.metadata})
+    assert doc["spec"]["generator"]["adaptiveTP"]["cooldownSteps"] == 4  # defaults are written out
+    a, b = builders.job_token(b"k" * 32, "uid-1"), builders.job_token(b"k" * 32, "uid-2")
+    assert a != b and a == builders.job_token(b"k" * 32, "uid-1") and len(a) == 64
+    assert builders.token_secret(j, "u", a)["stringData"] == {"token": a}
+    svc = builders.headless_service(j, "u")["spec"]
+    assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"]

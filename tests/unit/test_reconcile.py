@@ -1,0 +1,177 @@
+"""The RLHFJob state machine (pure): each rule, step by step, with the time and the pods given by hand."""
+
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import yaml
+
+from pat_operator import builders
+from pat_operator.reconcile import Observed, PodView, Settings, decide, pod_view, restart_backoff
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "local.yaml"
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+SETTINGS = Settings(restart_backoff_seconds=10, restart_backoff_max_seconds=60)
+
+
+def body(**run_policy) -> dict:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"].update(namespace="ns", uid="uid-1", generation=1)
+    doc["spec"]["generator"]["replicas"] = 2
+    doc["spec"]["runPolicy"].update(run_policy)
+    return doc
+
+
+def pods_of(decision, phase="Running", ready=True) -> list[PodView]:
+    return [pod_view({**p, "status": {"phase": phase, "podIP": "127.0.0.9",
+                                      "conditions": [{"type": "Ready", "status": str(ready)}],
+                                      "containerStatuses": [{"name": "x", "state": {"running": {}}}]}})
+            for p in decision.create_pods]
+
+
+def step(doc: dict, pods: list[PodView], t: datetime, **kw):
+    d = decide(Observed(doc, pods, t, "tok", **kw), SETTINGS)
+    doc["status"] = d.status  # as if the status patch were applied
+    return d
+
+
+def reasons(d) -> list[str]:
+    return [e.reason for e in d.events]
+
+
+def cond(d, kind: str) -> dict:
+    return next(c for c in d.status["conditions"] if c["type"] == kind)
+
+
+def test_creates_the_gang_then_runs_when_all_are_ready():
+    doc = body()
+    d = step(doc, [], T0)
+    assert [p["metadata"]["name"] for p in d.create_pods] == [
+        "arithmetic-grpo-trainer-0", "arithmetic-grpo-generator-0", "arithmetic-grpo-generator-1"]
+    assert {m["kind"] for m in d.ensure} == {"ConfigMap", "Secret", "Service"}
+    assert d.status["phase"] == "Pending" and d.status["startTime"] == "2026-01-01T00:00:00Z"
+    pods = pods_of(d, ready=False)
+    d = step(doc, pods, T0 + timedelta(seconds=1))
+    assert d.create_pods == [] and d.status["phase"] == "Pending"
+    assert cond(d, "Running")["message"] == "0 of 3 pods ready"
+    d = step(doc, pods_of(decide(Observed(body(), [], T0, "tok")))[:2] + pods[2:], T0 + timedelta(seconds=2))
+    assert cond(d, "Running")["message"] == "2 of 3 pods ready"
+    d = step(doc, pods_of(decide(Observed(body(), [], T0, "tok"))), T0 + timedelta(seconds=3), iteration=4)
+    assert d.status["phase"] == "Running" and d.status["iteration"] == 4 and "Running" in reasons(d)
+    # Level-based: the same observation again changes nothing and posts nothing.
+    again = step(doc, pods_of(decide(Observed(body(), [], T0, "tok"))), T0 + timedelta(seconds=4), iteration=4)
+    assert again.status == d.status and again.events == [] and again.create_pods == []
+
+
+def test_a_failed_pod_restarts_the_whole_gang_after_a_backoff_then_fails_past_the_limit():
+    doc = body(backoffLimit=1)
+    gang = pods_of(step(doc, [], T0))
+    step(doc, gang, T0)
+    failed = gang[0].__class__(**{**gang[0].__dict__, "phase": "Failed", "ready": False,
+                                  "failure": "container trainer exited with code 137"})
+    d = step(doc, [failed, *gang[1:]], T0 + timedelta(seconds=5))
+    assert d.status["restarts"] == 1 and d.status["phase"] == "Restarting"
+    assert sorted(d.delete_pods) == sorted(p.name for p in gang) and "GangRestart" in reasons(d)
+    assert "exited with code 137" in cond(d, "Restarting")["message"]
+    # The old attempt's pods still exist (terminating): nothing new yet.
+    deleting = [p.__class__(**{**p.__dict__, "deleting": True}) for p in gang]
+    d = step(doc, deleting, T0 + timedelta(seconds=6))
+    assert d.create_pods == [] and d.delete_pods == []
+    # Gone, but the backoff (10 s after the restart) has not passed.
+    d = step(doc, [], T0 + timedelta(seconds=8))
+    assert d.create_pods == [] and 6.9 < d.wake_after <= 7.0
+    d = step(doc, [], T0 + timedelta(seconds=15))
+    assert {p["metadata"]["labels"][builders.LABEL_ATTEMPT] for p in d.create_pods} == {"1"}
+    second = pods_of(d)
+    d = step(doc, second, T0 + timedelta(seconds=16))
+    assert d.status["phase"] == "Running" and cond(d, "Restarting")["status"] == "False"
+    # A pod deleted from under the running gang is a failure too; this one exceeds backoffLimit=1.
+    d = step(doc, second[1:], T0 + timedelta(seconds=20))
+    assert d.status["phase"] == "Failed" and cond(d, "Failed")["reason"] == "BackoffLimitExceeded"
+    assert "the pod was deleted" in cond(d, "Failed")["message"] and d.status["completionTime"]
+    # Sticky: with every pod gone, nothing is created again.
+    for t in (30, 3600):
+        d = step(doc, [], T0 + timedelta(seconds=t))
+        assert d.create_pods == [] and d.ensure == [] and d.status["phase"] == "Failed"
+
+
+def test_backoff_doubles_up_to_the_cap():
+    assert [restart_backoff(n, SETTINGS) for n in (1, 2, 3, 4, 5)] == [10, 20, 40, 60, 60]
+
+
+def test_success_when_the_trainers_exit_zero_deletes_the_generators_and_ttl_deletes_the_job():
+    doc = body(ttlSecondsAfterFinished=30)
+    gang = pods_of(step(doc, [], T0))
+    step(doc, gang, T0)
+    done = [p.__class__(**{**p.__dict__, "phase": "Succeeded", "ready": False}) if p.role == "trainer" else p
+            for p in gang]
+    d = step(doc, done, T0 + timedelta(seconds=10))
+    assert d.status["phase"] == "Succeeded" and "Succeeded" in reasons(d)
+    assert sorted(d.delete_pods) == ["arithmetic-grpo-generator-0", "arithmetic-grpo-generator-1"]
+    d = step(doc, done[:1], T0 + timedelta(seconds=20))
+    assert d.create_pods == [] and not d.delete_job and d.wake_after == 20
+    d = step(doc, done[:1], T0 + timedelta(seconds=40))
+    assert d.delete_job and "TTLExpired" in reasons(d) and d.status["phase"] == "Succeeded"
+
+
+def test_suspend_deletes_the_pods_keeps_the_status_and_resume_waits_for_them_to_go():
+    doc = body()
+    gang = pods_of(step(doc, [], T0))
+    step(doc, gang, T0, iteration=3)
+    doc["spec"]["runPolicy"]["suspend"] = True
+    d = step(doc, gang, T0 + timedelta(seconds=5))
+    assert d.status["phase"] == "Suspended" and sorted(d.delete_pods) == sorted(p.name for p in gang)
+    assert d.status["iteration"] == 3 and d.status["restarts"] == 0
+    d = step(doc, [], T0 + timedelta(seconds=6))
+    assert d.create_pods == [] and d.status["phase"] == "Suspended"
+    doc["spec"]["runPolicy"]["suspend"] = False
+    d = step(doc, gang[:1], T0 + timedelta(seconds=7))  # one still terminating
+    assert d.create_pods == [] and d.status["phase"] == "Suspended"
+    d = step(doc, [], T0 + timedelta(seconds=8))
+    assert len(d.create_pods) == 3 and "Resumed" in reasons(d) and d.status["restarts"] == 0
+    assert d.status["startTime"] == "2026-01-01T00:00:08Z"  # the deadline counts from the resume
+
+
+def test_active_deadline_fails_the_job():
+    doc = body(activeDeadlineSeconds=60)
+    gang = pods_of(step(doc, [], T0))
+    d = step(doc, gang, T0 + timedelta(seconds=30))
+    assert d.wake_after == 30 and d.status["phase"] == "Running"
+    d = step(doc, gang, T0 + timedelta(seconds=61))
+    assert d.status["phase"] == "Failed" and cond(d, "Failed")["reason"] == "DeadlineExceeded"
+    assert sorted(d.delete_pods) == sorted(p.name for p in gang)
+
+
+def test_an_invalid_spec_fails_naming_the_field_and_creates_nothing():
+    doc = body()
+    doc["spec"]["generator"]["adaptiveTP"]["tpSizes"] = [1, 3]
+    d = step(doc, [], T0)
+    assert d.create_pods == [] and d.ensure == [] and d.status["phase"] == "Failed"
+    assert cond(d, "Failed")["reason"] == "InvalidSpec" and "tpSizes" in cond(d, "Failed")["message"]
+    # Negative control: the same job, valid, creates its pods.
+    assert len(decide(Observed(body(), [], T0, "tok")).create_pods) == 3
+
+
+def test_refused_creations_show_in_a_condition():
+    doc = body()
+    step(doc, [], T0)
+    d = step(doc, [], T0 + timedelta(seconds=1), errors=("creating Pod x: exceeded quota",))
+    assert cond(d, "Created") == {**cond(d, "Created"), "status": "False", "reason": "CreateFailed"}
+    assert "exceeded quota" in cond(d, "Created")["message"] and "CreateFailed" in reasons(d)
+
+
+def test_pods_of_an_earlier_attempt_are_deleted_before_anything_is_created():
+    doc = body()
+    gang = pods_of(step(doc, [], T0))
+    doc["status"]["restarts"] = 2
+    d = step(doc, gang, T0 + timedelta(seconds=1))
+    assert d.create_pods == [] and sorted(d.delete_pods) == sorted(p.name for p in gang)
+
+
+def test_pod_view_reads_exit_codes_and_readiness():
+    pod = {"metadata": {"name": "j-trainer-0", "labels": {builders.LABEL_ROLE: "trainer", builders.LABEL_INDEX: "0",
+                                                          builders.LABEL_ATTEMPT: "2"}},
+           "status": {"phase": "Failed", "containerStatuses": [
+               {"name": "trainer", "state": {"terminated": {"exitCode": 137, "reason": "Error"}}}]}}
+    v = pod_view(pod)
+    assert (v.role, v.index, v.attempt, v.started, v.ready) == ("trainer", 0, 2, True, False)
+    assert v.failure == "container trainer exited with code 137 (Error)"
