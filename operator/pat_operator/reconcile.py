@@ -3,7 +3,8 @@
 `decide()` is level-based: it looks only at the current state, so running it twice, or after an operator restart,
 does no harm. Conditions are the one source of truth; the phase is derived from them. The rules:
 
-- An invalid spec fails the job (InvalidSpec), naming each bad field; nothing is created.
+- An invalid spec fails the job (InvalidSpec), naming each bad field; nothing is created. So does a change of
+  any spec field but runPolicy once the job has started (ImmutableFieldChanged).
 - Succeeded and Failed are terminal and sticky: afterwards only live pods are deleted (finished ones are kept
   for their logs) and, with ttlSecondsAfterFinished, the job itself is deleted when that time has passed.
 - suspend deletes the pods and keeps the status; resuming creates the next pods (from the last checkpoint).
@@ -16,6 +17,8 @@ does no harm. Conditions are the one source of truth; the phase is derived from 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -150,6 +153,13 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
             return book.decision(job, delete_pods=live, wake_after=left)
         return book.decision(job, delete_pods=live)
 
+    digest = spec_hash(job)
+    if status.spec_hash not in (None, digest):  # CEL refuses such an edit on Kubernetes >= 1.25; older servers don't
+        msg = ("a spec field other than runPolicy changed while the job ran; they are immutable: delete and "
+               "re-create the job")
+        book.finish(FAILED, "ImmutableFieldChanged", msg, Event("Warning", "ImmutableFieldChanged", msg))
+        return book.decision(job, delete_pods=[p.name for p in alive])
+    book.fields["specHash"] = digest
     if obs.iteration is not None:
         book.fields["iteration"] = obs.iteration
     ensure = [m for m in (builders.spec_configmap(job, uid), builders.token_secret(job, uid, obs.token),
@@ -239,6 +249,11 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
         (obs.generators.get(name) or _previous(status, name)).model_dump(by_alias=True, exclude_none=True)
         for name in expected if expected[name][0] == "generator"]
     return book.decision(job, ensure=ensure, create_pods=create, wake_after=wake_after)
+
+
+def spec_hash(job: RLHFJob) -> str:
+    spec = job.spec.model_dump(by_alias=True, exclude={"run_policy"})
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def phase_of(conditions: list[Condition]) -> str:

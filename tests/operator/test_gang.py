@@ -12,7 +12,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from .conftest import SERVE, SLEEP, job_doc, phase
-from .harness import SERVICE_ACCOUNT, SYSTEM_NAMESPACE
+from .harness import SERVICE_ACCOUNT, SYSTEM_NAMESPACE, OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
@@ -179,6 +179,23 @@ def test_the_operator_cannot_read_secrets_and_serves_health_and_metrics(cluster,
     assert operator.live()
     text = operator.metrics()
     assert "pat_operator_reconciles_total{result=\"ok\"}" in text and "pat_operator_pods_created_total" in text
+
+
+def test_two_replicas_never_both_act(jobs, operator, cluster, tmp_path):
+    """kopf peering: a second replica with the same priority makes both pause; once it leaves, the first acts."""
+    jobs.create(job_doc("peer", SLEEP, SERVE))
+    jobs.wait("peer", phase("Running"), "Running")
+    second = OperatorProcess(operator.kubeconfig, tmp_path / "second", "--restart-backoff-seconds", "1")
+    second.key_file.write_text(operator.key_file.read_text())  # replicas share the token key
+    second.start()
+    try:
+        _wait_gone(lambda: "Pausing" not in operator.log(), "the first replica pausing", 30)
+        jobs.patch_spec("peer", {"runPolicy": {"suspend": True}})
+        time.sleep(4)  # neither replica acts while both are paused
+        assert jobs.get("peer")["status"]["phase"] == "Running" and len(jobs.pods("peer")) == 2
+    finally:
+        second.stop()
+    jobs.wait("peer", phase("Suspended"), "Suspended once the second replica left", timeout=60)
 
 
 def _children(jobs, name: str) -> list[str]:

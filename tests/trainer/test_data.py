@@ -62,8 +62,8 @@ def test_file_errors(tmp_path):
     with pytest.raises(ValueError, match="dataset.path='missing.jsonl': .* not found"):
         load_problems(Dataset(path="missing.jsonl"), base_dir=tmp_path)
     (tmp_path / "data.txt").write_text('{"problem": "1", "answer": "1"}\n')
-    with pytest.raises(ValueError, match="suffix '.txt'; name it .* or set dataset.format"):
-        load_problems(Dataset(path=str(tmp_path / "data.txt")))
+    with pytest.raises(ValueError, match=r"name it \*.jsonl or \*.parquet, or set dataset.format"):
+        Dataset(path=str(tmp_path / "data.txt"))
     assert load_problems(Dataset(path=str(tmp_path / "data.txt"), format="jsonl")) == [Problem("1", "1")]
     with pytest.raises(ValueError, match="not a readable Parquet file"):
         load_problems(Dataset(path=str(tmp_path / "data.txt"), format="parquet"))

@@ -21,7 +21,7 @@ def test_pack_right_pads_prompt_and_response():
 
 
 def test_trainer_metrics_export_the_contract_names():
-    metrics = TrainerMetrics(port=0)
+    metrics = TrainerMetrics("127.0.0.1", port=0)
     metrics.record({"iteration": 3, "seconds": {"generate": 1.5, "train": 0.5}, "reward_mean": 0.25,
                     "reward_std": 0.1, "response_tokens_mean": 12.0, "loss": -0.2, "kl": 0.0, "entropy": 2.0,
                     "policy_version": 3})

@@ -175,3 +175,15 @@ def test_pod_view_reads_exit_codes_and_readiness():
     v = pod_view(pod)
     assert (v.role, v.index, v.attempt, v.started, v.ready) == ("trainer", 0, 2, True, False)
     assert v.failure == "container trainer exited with code 137 (Error)"
+
+
+def test_changing_an_immutable_field_fails_the_job_but_run_policy_may_change():
+    doc = body()
+    gang = pods_of(step(doc, [], T0))
+    step(doc, gang, T0)
+    doc["spec"]["runPolicy"]["backoffLimit"] = 7  # mutable
+    assert step(doc, gang, T0 + timedelta(seconds=1)).status["phase"] == "Running"
+    doc["spec"]["algorithm"]["learningRate"] = 0.1
+    d = step(doc, gang, T0 + timedelta(seconds=2))
+    assert d.status["phase"] == "Failed" and cond(d, "Failed")["reason"] == "ImmutableFieldChanged"
+    assert sorted(d.delete_pods) == sorted(p.name for p in gang)

@@ -38,10 +38,7 @@ def _read_file(spec: Dataset, base_dir: str | Path | None) -> list[Problem]:
         path = Path(base_dir) / path
     if not path.is_file():
         raise ValueError(f"dataset.path={spec.path!r}: {path} not found")
-    fmt = spec.format if spec.format != "auto" else SUFFIX_FORMATS.get(path.suffix)
-    if fmt is None:
-        raise ValueError(f"dataset.path={spec.path!r}: cannot tell the format from the suffix {path.suffix!r}; "
-                         f"name it *.jsonl or *.parquet, or set dataset.format")
+    fmt = spec.format if spec.format != "auto" else SUFFIX_FORMATS[path.suffix]  # the model checked the suffix
     records = _jsonl_records(path) if fmt == "jsonl" else _parquet_records(path, spec)
     problems = [_problem(record, where, spec) for where, record in records]
     if not problems:
