@@ -112,8 +112,9 @@ async def run_job(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
                 decision = None
             m.metrics.reconcile_seconds.observe(time.monotonic() - started)
             if decision is not None:
-                m.phases[key] = decision.status["phase"]
-                _count_phases(m)
+                if m.phases.get(key) != decision.status["phase"]:  # recount only on a change: O(jobs)
+                    m.phases[key] = decision.status["phase"]
+                    _count_phases(m)
                 if decision.delete_job:
                     return
             resync = OBSERVE_SECONDS if observer.polling else RESYNC_SECONDS

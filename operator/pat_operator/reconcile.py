@@ -88,7 +88,6 @@ class Event:
 @dataclass
 class Decision:
     status: dict[str, Any]  # the whole new status (camelCase); written only if it differs from the old one
-    job: RLHFJob | None = None  # the validated job, None if the spec is invalid
     ensure: list[dict[str, Any]] = field(default_factory=list)  # children that must exist (created once)
     create_pods: list[dict[str, Any]] = field(default_factory=list)
     delete_pods: list[str] = field(default_factory=list)
@@ -131,10 +130,8 @@ def decide(obs: Observed, settings: Settings = Settings()) -> Decision:
         live = [p.name for p in obs.pods if not p.deleting and p.phase not in ("Succeeded", "Failed")]
         if not book.true(FAILED):
             book.set(FAILED, "True", "InvalidSpec", str(e), Event("Warning", "InvalidSpec", str(e)))
-        return book.decision(None, delete_pods=live)
-    decision = _decide(job, obs, book, settings)
-    decision.job = job
-    return decision
+        return book.decision(delete_pods=live)
+    return _decide(job, obs, book, settings)
 
 
 def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Decision:
@@ -149,16 +146,16 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
             left = (_time(status.completion_time) + timedelta(seconds=ttl) - now).total_seconds()
             if left <= 0:
                 book.events.append(Event("Normal", "TTLExpired", f"deleting the job {ttl} s after it finished"))
-                return book.decision(job, delete_pods=live, delete_job=True)
-            return book.decision(job, delete_pods=live, wake_after=left)
-        return book.decision(job, delete_pods=live)
+                return book.decision(delete_pods=live, delete_job=True)
+            return book.decision(delete_pods=live, wake_after=left)
+        return book.decision(delete_pods=live)
 
     digest = spec_hash(job)
     if status.spec_hash not in (None, digest):  # CEL refuses such an edit on Kubernetes >= 1.25; older servers don't
         msg = ("a spec field other than runPolicy changed while the job ran; they are immutable: delete and "
                "re-create the job")
         book.finish(FAILED, "ImmutableFieldChanged", msg, Event("Warning", "ImmutableFieldChanged", msg))
-        return book.decision(job, delete_pods=[p.name for p in alive])
+        return book.decision(delete_pods=[p.name for p in alive])
     book.fields["specHash"] = digest
     if obs.iteration is not None:
         book.fields["iteration"] = obs.iteration
@@ -170,10 +167,10 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
             book.set(SUSPENDED, "True", "Suspended", "runPolicy.suspend is true: the pods are deleted, the status "
                      "is kept", Event("Normal", "Suspended", f"deleting {len(alive)} pod(s)"))
             book.set(RUNNING, "False", "Suspended", "suspended")
-        return book.decision(job, ensure=ensure, delete_pods=[p.name for p in alive])
+        return book.decision(ensure=ensure, delete_pods=[p.name for p in alive])
     if book.true(SUSPENDED):
         if obs.pods:  # the suspended gang's pods must be gone first: they are not failures of the next one
-            return book.decision(job, ensure=ensure, delete_pods=[p.name for p in alive], wake_after=1.0)
+            return book.decision(ensure=ensure, delete_pods=[p.name for p in alive], wake_after=1.0)
         book.set(SUSPENDED, "False", "Resumed", "runPolicy.suspend is false again",
                  Event("Normal", "Resumed", "creating the pods again; the trainer resumes from its checkpoint"))
         book.fields["startTime"] = None  # the deadline counts from the resume
@@ -186,14 +183,14 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
         if left <= 0:
             msg = f"the job ran longer than runPolicy.activeDeadlineSeconds={deadline}"
             book.finish(FAILED, "DeadlineExceeded", msg, Event("Warning", "DeadlineExceeded", msg))
-            return book.decision(job, delete_pods=[p.name for p in alive])
+            return book.decision(delete_pods=[p.name for p in alive])
         wake_after = left
 
     attempt = status.restarts
     current = {p.name: p for p in obs.pods if p.attempt == attempt}
     stale = [p for p in obs.pods if p.attempt != attempt]
     if stale:  # an earlier attempt's pods (or the failed gang's) must be gone before the next gang starts
-        return book.decision(job, ensure=ensure, delete_pods=[p.name for p in stale if not p.deleting],
+        return book.decision(ensure=ensure, delete_pods=[p.name for p in stale if not p.deleting],
                              wake_after=1.0)
 
     expected = {builders.pod_name(job, role, i): (role, i) for role, i in builders.expected_pods(job)}
@@ -205,28 +202,28 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
         if attempt >= policy.backoff_limit:
             msg = f"{why}; {attempt} restart(s) reached runPolicy.backoffLimit={policy.backoff_limit}"
             book.finish(FAILED, "BackoffLimitExceeded", msg, Event("Warning", "BackoffLimitExceeded", msg))
-            return book.decision(job, delete_pods=[p.name for p in alive])
+            return book.decision(delete_pods=[p.name for p in alive])
         book.fields["restarts"] = attempt + 1
         delay = restart_backoff(attempt + 1, settings)
         book.set(RESTARTING, "True", "PodFailed", f"restart {attempt + 1} of at most {policy.backoff_limit} in "
                  f"{delay:g} s: {why}")
         book.events.append(Event("Warning", "GangRestart", f"restart {attempt + 1} in {delay:g} s: {why}"))
         book.set(RUNNING, "False", "PodFailed", why)
-        return book.decision(job, ensure=ensure, delete_pods=[p.name for p in alive], wake_after=delay)
+        return book.decision(ensure=ensure, delete_pods=[p.name for p in alive], wake_after=delay)
 
     trainers = [p for p in current.values() if p.role == "trainer"]
     if len(trainers) == spec.trainer.replicas and all(p.phase == "Succeeded" for p in trainers):
         msg = f"the trainer finished {spec.algorithm.iterations} iterations"
         book.fields["iteration"] = spec.algorithm.iterations  # a trainer exits 0 only after the last one
         book.finish(SUCCEEDED, "TrainerSucceeded", msg, Event("Normal", "Succeeded", msg))
-        return book.decision(job, delete_pods=[p.name for p in alive if p.phase not in ("Succeeded", "Failed")])
+        return book.decision(delete_pods=[p.name for p in alive if p.phase not in ("Succeeded", "Failed")])
 
     missing = [name for name in expected if name not in current]
     if missing and book.true(RESTARTING):
         restarted = _time(book.condition(RESTARTING).last_transition_time)
         left = (restarted + timedelta(seconds=restart_backoff(attempt, settings)) - now).total_seconds()
         if left > 0:
-            return book.decision(job, ensure=ensure, wake_after=left)
+            return book.decision(ensure=ensure, wake_after=left)
     create = [builders.pod(job, uid, *expected[name], attempt) for name in missing]
     if obs.errors:  # e.g. a quota or an admission webhook refused a pod: say so rather than look Pending
         why = "; ".join(obs.errors)
@@ -248,7 +245,7 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
     book.fields["generators"] = [
         (obs.generators.get(name) or _previous(status, name)).model_dump(by_alias=True, exclude_none=True)
         for name in expected if expected[name][0] == "generator"]
-    return book.decision(job, ensure=ensure, create_pods=create, wake_after=wake_after)
+    return book.decision(ensure=ensure, create_pods=create, wake_after=wake_after)
 
 
 def spec_hash(job: RLHFJob) -> str:
@@ -304,10 +301,8 @@ class _Book:
                 self.set(other, "False", reason, message)
         self.fields["completionTime"] = _stamp(self.now)
 
-    def decision(self, job: RLHFJob | None, **kwargs: Any) -> Decision:
-        old = self.status.model_dump(by_alias=True, exclude_none=True)
-        new = {**old, **{k: v for k, v in self.fields.items()}}
-        new = {k: v for k, v in new.items() if v is not None}
+    def decision(self, **kwargs: Any) -> Decision:
+        new = {**self.status.model_dump(by_alias=True, exclude_none=True), **self.fields}
         conditions = list(self.conditions.values())
         new["conditions"] = [c.model_dump(by_alias=True, exclude_none=True) for c in conditions]
         new["phase"] = phase_of(conditions)
@@ -315,7 +310,7 @@ class _Book:
         new["tp"] = tp_summary(new.get("generators", []))
         kwargs.setdefault("events", []).extend(self.events)
         # No empty strings: the v1.20 server reads "" in a merge patch as null (and refuses it for a string).
-        return Decision(status={k: v for k, v in new.items() if v not in (None, "")}, job=job, **kwargs)
+        return Decision(status={k: v for k, v in new.items() if v not in (None, "")}, **kwargs)
 
 
 def _gone(name: str) -> PodView:
