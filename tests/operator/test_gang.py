@@ -157,8 +157,9 @@ def test_volcano_gets_a_podgroup_owned_by_the_job(jobs, cluster):
             assert e.status == 404 and time.monotonic() < deadline, "no PodGroup"
             time.sleep(0.5)
     assert group["spec"]["minMember"] == 2 and group["metadata"]["ownerReferences"][0]["name"] == "vc"
+    jobs.wait("vc", lambda j: len(jobs.pods("vc")) == 2, "both pods created")  # created after the PodGroup
     pods = jobs.pods("vc")
-    assert len(pods) == 2 and all(p.spec.scheduler_name == "volcano" for p in pods)
+    assert all(p.spec.scheduler_name == "volcano" for p in pods)
     assert all(p.metadata.annotations["scheduling.k8s.io/group-name"] == "vc" for p in pods)
 
 
