@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test run controlplane bench bench-quick bench-operator gpu-bench clean
+.PHONY: test run controlplane prometheus bench bench-quick bench-operator bench-e2e gpu-bench clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 or run make PYTHON=python3"; exit 1; }
@@ -22,7 +22,12 @@ controlplane:
 	@if [ -n "$$PAT_TEST_KUBECONFIG" ]; then echo "using the cluster of PAT_TEST_KUBECONFIG"; \
 	else scripts/controlplane-build.sh; fi
 
-test: $(STAMP) controlplane
+# The Prometheus server the tests start themselves (tests/cluster/prometheus.py); the package's service is not used.
+prometheus:
+	@command -v prometheus >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends prometheus; }
+
+test: $(STAMP) controlplane prometheus
 	$(PY) -m pytest -q
 
 # The example RLHFJob as local processes with adaptive TP, then the same job with it off, side by side.
@@ -37,6 +42,10 @@ bench-quick: $(STAMP)
 
 bench-operator: $(STAMP) controlplane
 	$(PY) bench/operator_scale.py
+
+# Operator-driven adaptive TP on the local control plane with a real Prometheus: adaptive vs fixed TP, side by side.
+bench-e2e: $(STAMP) controlplane prometheus
+	$(PY) bench/e2e_tail.py
 
 gpu-bench: $(STAMP)
 	$(PY) bench/gpu_decode.py

@@ -20,11 +20,8 @@ import kubernetes
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
-from tests.cluster.controlplane import cluster_from_env  # noqa: E402
-from tests.cluster.fixtures import Cluster  # noqa: E402
-from tests.cluster.kubelet import ProcessKubelet  # noqa: E402
 from tests.operator.conftest import SERVE, SLEEP, job_doc  # noqa: E402
-from tests.operator.harness import SERVICE_ACCOUNT, SYSTEM_NAMESPACE, OperatorProcess, install  # noqa: E402
+from tests.operator.harness import local_stack  # noqa: E402
 
 NAMESPACE = "scale"
 
@@ -41,18 +38,11 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=100)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="pat-scale-"))
-    plane = cluster_from_env().start()
-    kubelet = ProcessKubelet(plane.kubeconfig, root=tmp / "kubelet").start()
-    operator = None
-    try:
-        cluster = Cluster(plane, kubelet, tmp)
+    with local_stack(tmp) as (cluster, operator, _):
         api = cluster.api_client()
-        install(api)
         core, custom = kubernetes.client.CoreV1Api(api), kubernetes.client.CustomObjectsApi(api)
         core.create_namespace({"metadata": {"name": NAMESPACE}})
-        kubeconfig = cluster.kubeconfig_for_token(cluster.token_for(SYSTEM_NAMESPACE, SERVICE_ACCOUNT))
-        operator = OperatorProcess(kubeconfig, tmp / "operator").start()
-        print(f"control plane up in {plane.startup_seconds:.1f} s; creating {args.jobs} jobs "
+        print(f"control plane up in {cluster.plane.startup_seconds:.1f} s; creating {args.jobs} jobs "
               f"({3 * args.jobs} pods)", flush=True)
         started = time.monotonic()
         for i in range(args.jobs):
@@ -75,11 +65,6 @@ def main() -> int:
         print(json.dumps({"jobs": args.jobs, "pods": 3 * args.jobs, "create_seconds": round(created, 2),
                           "all_running_seconds": round(all_running, 2), "operator_rss_mb": round(rss, 1)}))
         return 0
-    finally:
-        if operator is not None:
-            operator.stop()
-        kubelet.stop()
-        plane.stop()
 
 
 if __name__ == "__main__":

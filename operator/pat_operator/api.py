@@ -82,6 +82,9 @@ class Dataset(_Model):
     prompt_field: str = Field("problem", description="the field of a record that holds the problem")
     answer_field: str = Field("answer", description="the field of a record that holds the reference answer")
     prompt_template: str = Field("{prompt}", description="how a problem becomes a prompt; {prompt} is replaced")
+    length_field: str | None = Field(None, description="a field of a record giving the response length to generate "
+                                     "for it, exactly (EOS ignored, at most maxResponseTokens), or a list of them, "
+                                     "one per sample: replays recorded lengths, for benchmarks of long tails")
     synthetic: SyntheticDataset | None = None
 
     @model_validator(mode="after")

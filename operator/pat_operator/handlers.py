@@ -21,12 +21,13 @@ import aiohttp
 import kopf
 import kubernetes
 from kubernetes.client.exceptions import ApiException
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from . import builders
 from . import metric_names as names
-from .api import GROUP, PHASES, VERSION, GeneratorPodStatus
+from .api import GROUP, PHASES, VERSION, GeneratorPodStatus, JobSpecError, parse_job
+from .autoscaler import AutoscaleSettings, Autoscaler
+from .operator_metrics import OperatorMetrics
 from .podclient import PodClient
 from .reconcile import Decision, Observed, Settings, decide, pod_view
 
@@ -36,21 +37,6 @@ OBSERVE_SECONDS = 2.0  # how often the trainer's progress and the generators' la
 STATUS_CATCH_UP_SECONDS = 5.0
 
 log = logging.getLogger("pat_operator")
-
-
-@dataclass
-class OperatorMetrics:
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-
-    def __post_init__(self) -> None:
-        r = self.registry
-        self.reconciles = Counter(names.OPERATOR_RECONCILES, "reconciles of RLHFJobs", ["result"], registry=r)
-        self.reconcile_seconds = Histogram(names.OPERATOR_RECONCILE_SECONDS, "seconds per reconcile", registry=r,
-                                           buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-        self.pods_created = Counter(names.OPERATOR_PODS_CREATED, "pods created", registry=r)
-        self.gang_restarts = Counter(names.OPERATOR_GANG_RESTARTS, "gang restarts", registry=r)
-        self.jobs = Gauge(names.OPERATOR_JOBS, "RLHFJobs by phase", ["phase"], registry=r)
-        self.api_errors = Counter(names.OPERATOR_API_ERRORS, "Kubernetes API calls refused", ["verb"], registry=r)
 
 
 @dataclass
@@ -64,6 +50,8 @@ class Memo:
     ensured: set[tuple[str, str, str]] = field(default_factory=set)  # (job uid, kind, name) known to exist
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
     session: aiohttp.ClientSession | None = None
+    prometheus_url: str | None = None  # the default for jobs that name none
+    autoscale: AutoscaleSettings = AutoscaleSettings()
 
 
 @kopf.index("pods", labels={builders.LABEL_JOB: kopf.PRESENT})
@@ -92,6 +80,8 @@ async def run_job(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
     token = builders.job_token(m.token_key, uid)
     observer = _Observer(m, token)
     errors: tuple[str, ...] = ()
+    autoscaler = _autoscaler(m, body, token, observer, wake)
+    autoscaling = asyncio.create_task(_autoscale(autoscaler, key, pods_by_job)) if autoscaler else None
     try:
         while not stopped:
             wake.clear()
@@ -101,7 +91,8 @@ async def run_job(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
             try:
                 iteration, generators = await observer.observe(snapshot, pods)
                 decision = decide(Observed(snapshot, pods, datetime.now(timezone.utc), token, iteration,
-                                           generators, errors), m.settings)
+                                           generators, errors, autoscaler and autoscaler.metrics,
+                                           autoscaler.in_flight if autoscaler else ()), m.settings)
                 errors = await _carry_out(m, snapshot, decision)
                 if decision.status != snapshot.get("status"):
                     await _catch_up(body, snapshot)
@@ -124,10 +115,44 @@ async def run_job(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
             except asyncio.TimeoutError:
                 pass
     finally:
+        if autoscaling:
+            autoscaling.cancel()
         m.wakers.pop(key, None)
         m.phases.pop(key, None)
         m.ensured -= {ident for ident in m.ensured if ident[0] == uid}
         _count_phases(m)
+
+
+def _autoscaler(m: Memo, body: kopf.Body, token: str, observer: _Observer, wake: asyncio.Event) -> Autoscaler | None:
+    """The job's autoscaler, if its adaptive TP is the operator's to drive (the spec is immutable once running)."""
+    try:
+        job = parse_job({k: body.get(k) for k in ("apiVersion", "kind", "spec")} | {"metadata": {
+            "name": body.metadata.name, "namespace": body.metadata.namespace}})
+    except JobSpecError:
+        return None  # decide() fails the job
+    adaptive = job.spec.generator.adaptive_tp
+    if not adaptive.enabled or adaptive.controller != "operator":
+        return None
+    if m.session is None:
+        m.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
+    return Autoscaler(
+        namespace=body.metadata.namespace, job=body.metadata.name, generator=job.spec.generator, token=token,
+        url=adaptive.prometheus.url or m.prometheus_url, session=m.session, generators=observer.generators,
+        emit=lambda type_, reason, message: kopf.event(body, type=type_, reason=reason, message=message),
+        changed=wake.set, counters=m.metrics, settings=m.autoscale)
+
+
+async def _autoscale(autoscaler: Autoscaler, key: tuple[str, str], pods_by_job: kopf.Index) -> None:
+    interval = autoscaler.generator.adaptive_tp.prometheus.query_interval
+    while True:
+        started = time.monotonic()
+        ready = {p.name: p.ip for p in pods_by_job.get(key, []) if p.role == "generator" and p.ready and p.ip
+                 and not p.deleting}
+        try:
+            await autoscaler.tick(ready)
+        except Exception:  # a bug must not stop the job's adaptive TP for good: log it, try again
+            log.exception("%s/%s: autoscaler round failed", *key)
+        await asyncio.sleep(max(interval - (time.monotonic() - started), 0.05))
 
 
 async def _carry_out(m: Memo, body: dict[str, Any], d: Decision) -> tuple[str, ...]:

@@ -21,6 +21,8 @@ import kubernetes
 from prometheus_client import start_http_server
 
 from . import handlers  # noqa: F401  (registers the handlers)
+from .autoscaler import AutoscaleSettings
+from .operator_metrics import OperatorMetrics
 from .reconcile import Settings
 
 PEERING = "pat-operator"
@@ -43,6 +45,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--restart-backoff-seconds", type=float, default=10.0,
                     help="wait before the first gang restart; doubled for each next one")
     ap.add_argument("--restart-backoff-max-seconds", type=float, default=300.0)
+    ap.add_argument("--prometheus-url", help="Prometheus for adaptiveTP.controller=operator jobs that name none, "
+                    "e.g. http://prometheus-server.monitoring:9090")
+    ap.add_argument("--metrics-max-age-seconds", type=float, default=5.0,
+                    help="samples scraped longer ago than this are stale: never acted on")
+    ap.add_argument("--regroup-attempts", type=int, default=4, help="POSTs of a regroup plan before it fails")
+    ap.add_argument("--regroup-timeout-seconds", type=float, default=10.0, help="the longest one POST of a plan "
+                    "waits for the pod's acknowledgement")
     ap.add_argument("--verbose", "-v", action="store_true")
     return ap.parse_args(argv)
 
@@ -64,10 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
     api = _api_client(args.kubeconfig)
-    metrics = handlers.OperatorMetrics()
+    metrics = OperatorMetrics()
     memo = kopf.Memo(pat=handlers.Memo(api=api, token_key=token_key, metrics=metrics, settings=Settings(
         restart_backoff_seconds=args.restart_backoff_seconds,
-        restart_backoff_max_seconds=args.restart_backoff_max_seconds)))
+        restart_backoff_max_seconds=args.restart_backoff_max_seconds), prometheus_url=args.prometheus_url,
+        autoscale=AutoscaleSettings(max_age_seconds=args.metrics_max_age_seconds, attempts=args.regroup_attempts,
+                                    ack_timeout_seconds=args.regroup_timeout_seconds)))
 
     @kopf.on.startup()
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:

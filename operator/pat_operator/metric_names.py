@@ -19,6 +19,15 @@ GENERATOR_LAYOUT_EPOCH = "pat_generator_layout_epoch"
 REGROUP_MODES = ("kv", "recompute")
 GENERATOR_POLICY_VERSION = "pat_generator_policy_version"
 GENERATOR_BATCHES = "pat_generator_batches"  # counter: rollout batches completed (the batch boundaries)
+# What the operator's planner needs besides the queue depths (controller operator), per group or per pod:
+GENERATOR_RUNNING_CONTEXT_TOKENS = "pat_generator_running_context_tokens"  # label group: KV tokens held, summed
+GENERATOR_RUNNING_GENERATED_TOKENS = "pat_generator_running_generated_tokens"  # label group: their tokens so far, summed
+GENERATOR_BATCH_OPEN = "pat_generator_batch_open"  # 1 while a rollout batch is generating
+GENERATOR_BATCH_MAX_TOKENS = "pat_generator_batch_max_tokens"  # the open batch's response length cap
+GENERATOR_RESPONSE_TOKENS = "pat_generator_response_tokens"  # histogram: finished responses' lengths
+GENERATOR_PROFILE_STEP_SECONDS = "pat_generator_profile_step_seconds"  # labels tp, batch: T(tp, batch), refined
+GENERATOR_REGROUP_COST = "pat_generator_regroup_cost"  # label term: fixed_seconds | kv_seconds_per_token
+GENERATOR_PREFILL_COST = "pat_generator_prefill_cost"  # labels tp, term: seconds | seconds_per_token
 
 # Trainer (rank 0). Label phase: generate | reward | train | sync | checkpoint.
 TRAINER_ITERATION = "pat_trainer_iteration"
@@ -40,3 +49,7 @@ OPERATOR_PODS_CREATED = "pat_operator_pods_created"  # counter
 OPERATOR_GANG_RESTARTS = "pat_operator_gang_restarts"  # counter
 OPERATOR_JOBS = "pat_operator_jobs"  # gauge, label phase
 OPERATOR_API_ERRORS = "pat_operator_api_errors"  # counter, label verb: create | delete | patch
+OPERATOR_REGROUP_PLANS = "pat_operator_regroup_plans"  # counter, label outcome: applied | unchanged | fallback | failed
+OPERATOR_REGROUP_ATTEMPTS = "pat_operator_regroup_attempts"  # counter, label result: ok | error (each POST)
+OPERATOR_PROMETHEUS_ERRORS = "pat_operator_prometheus_errors"  # counter, label reason
+OPERATOR_REGROUP_DELAY_SECONDS = "pat_operator_regroup_plan_seconds"  # histogram: plan sent -> acknowledged

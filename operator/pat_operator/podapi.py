@@ -70,12 +70,17 @@ class BatchStatus(_Model):
 class RegroupPlan(_Model):
     epoch: int = Field(ge=1, description="strictly increasing per pod; a repeated epoch is acknowledged again")
     layout: list[int] = Field(min_length=1, description="TP group sizes in rank order, e.g. [2, 1, 1]")
+    from_epoch: int | None = Field(None, ge=0, description="apply only while the pod is still at this epoch (the "
+                                   "layout the plan was made for); 409 once it has moved on, e.g. to a new batch")
 
 
 class RegroupAck(_Model):
     applied_epoch: int
     layout: list[int]
     outcome: Literal["applied", "unchanged", "fallback"]
+    requests: dict[str, int] = Field({}, description="requests moved, per migration mode (kv | recompute)")
+    seconds: float = Field(0.0, description="how long the regroup took (its slowest region)")
+    error: str | None = Field(None, description="why it fell back, if it did")
 
 
 class WeightUpdate(_Model):

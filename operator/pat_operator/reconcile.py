@@ -29,6 +29,7 @@ from .api import Condition, GeneratorPodStatus, JobSpecError, RLHFJob, RLHFJobSt
 # Condition types, in the order in which they decide the phase.
 FAILED, SUCCEEDED, SUSPENDED, RESTARTING, RUNNING, CREATED = (
     "Failed", "Succeeded", "Suspended", "Restarting", "Running", "Created")
+METRICS_AVAILABLE, REGROUPING = "MetricsAvailable", "Regrouping"  # controller operator only; not phases
 PHASE_OF = {FAILED: "Failed", SUCCEEDED: "Succeeded", SUSPENDED: "Suspended", RESTARTING: "Restarting",
             RUNNING: "Running"}
 
@@ -103,6 +104,15 @@ class Settings:
 
 
 @dataclass(frozen=True)
+class MetricsState:
+    """What the operator's autoscaler last made of Prometheus (controller operator): the MetricsAvailable
+    condition."""
+    status: str  # True | False
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
 class Observed:
     body: dict[str, Any]  # the RLHFJob as the API server has it
     pods: list[PodView]
@@ -111,6 +121,8 @@ class Observed:
     iteration: int | None = None  # the trainer's last completed iteration, if it could be read
     generators: dict[str, GeneratorPodStatus] = field(default_factory=dict)  # by pod name, from the pods
     errors: tuple[str, ...] = ()  # what the API server refused when the last decision was carried out
+    metrics: MetricsState | None = None  # controller operator: None until the autoscaler first read Prometheus
+    regrouping: tuple[str, ...] = ()  # generator pods with a regroup plan in flight
 
 
 def restart_backoff(restarts: int, settings: Settings) -> float:
@@ -242,6 +254,13 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
     else:
         stuck = next((f"; {p.name}: {p.waiting}" for p in current.values() if p.waiting), "")
         book.set(RUNNING, "False", "WaitingForPods", f"{ready} of {len(expected)} pods ready{stuck}")
+    if obs.metrics is not None:
+        m = obs.metrics
+        book.set(METRICS_AVAILABLE, m.status, m.reason, m.message,
+                 Event("Warning", "MetricsUnavailable", m.message) if m.status == "False" else None)
+        book.set(REGROUPING, "True" if obs.regrouping else "False", "PlanInFlight" if obs.regrouping else "Idle",
+                 f"a regroup plan is in flight to {', '.join(obs.regrouping)}" if obs.regrouping else
+                 "no regroup plan in flight")
     book.fields["generators"] = [
         (obs.generators.get(name) or _previous(status, name)).model_dump(by_alias=True, exclude_none=True)
         for name in expected if expected[name][0] == "generator"]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.cluster.controlplane import ControlPlane, ExistingCluster, cluster_from_env, write_kubeconfig
+from tests.cluster.prometheus import PrometheusServer
 
 if TYPE_CHECKING:
     import kubernetes
@@ -131,6 +132,17 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         if kubelet:
             kubelet.stop()
         plane.stop()
+
+
+@pytest.fixture(scope="session")
+def prometheus(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:
+    """A real Prometheus scraping the cluster's pods labelled pat.dev/job (see tests/cluster/prometheus.py)."""
+    if not cluster.admin_token:  # its pod discovery lists the pods of all namespaces
+        pytest.skip("the cluster's kubeconfig has no token for Prometheus' pod discovery")
+    server = PrometheusServer(cluster.server, cluster.admin_token, tmp_path_factory.mktemp("prometheus"),
+                              cluster.ca_file or None).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -562,19 +562,19 @@ class ProcessKubelet:
             except ApiException as e:
                 log.warning("claim %s/%s: %s", claim["metadata"]["namespace"], claim["metadata"]["name"], e)
 
-    def _claim_dir(self, namespace: str, claim: str) -> Path:
+    def claim_dir(self, namespace: str, claim: str) -> Path:
         return self.root / "pvc" / namespace / claim
 
     def _provision(self, claim: dict) -> None:
         """Bind a pending claim the cluster cannot bind to a PV of ours (a hostPath, which the pods never see:
-        they get _claim_dir); the controller-manager's PV binder completes the binding."""
+        they get claim_dir); the controller-manager's PV binder completes the binding."""
         meta, spec = claim["metadata"], claim["spec"]
         if spec.get("volumeName") or claim.get("status", {}).get("phase") != "Pending":
             return
         storage_class = spec.get("storageClassName") or ""
         if storage_class and self._storage_class_exists(storage_class):
             return  # that class has a provisioner of its own
-        path = self._claim_dir(meta["namespace"], meta["name"])
+        path = self.claim_dir(meta["namespace"], meta["name"])
         path.mkdir(parents=True, exist_ok=True)
         path.chmod(0o777)  # as dynamic local provisioners do: any pod user may write
         volume = {
@@ -609,7 +609,7 @@ class ProcessKubelet:
         except ApiException as e:
             if e.status != 404:
                 raise
-        shutil.rmtree(self._claim_dir(claim["metadata"]["namespace"], claim["metadata"]["name"]), ignore_errors=True)
+        shutil.rmtree(self.claim_dir(claim["metadata"]["namespace"], claim["metadata"]["name"]), ignore_errors=True)
 
     # ---- pod sync --------------------------------------------------------------------------------------------
 
@@ -1052,7 +1052,7 @@ class ProcessKubelet:
                 volumes[name] = Volume(path, False)
             elif "persistentVolumeClaim" in v:
                 claim = v["persistentVolumeClaim"]
-                path = self._claim_dir(run.namespace, claim["claimName"])
+                path = self.claim_dir(run.namespace, claim["claimName"])
                 if not path.exists():
                     path.mkdir(parents=True)
                     path.chmod(0o777)

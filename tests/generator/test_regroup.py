@@ -20,8 +20,10 @@ def test_operator_plan_applies_mid_batch(operator_pod, reference):
     pod.submit("op", requests)
     while pod.metrics()[("pat_generator_tokens_total", ())] < tokens + 20:  # both replicas are decoding
         time.sleep(0.005)
-    ack = pod.ok("POST", "/v1/regroup", {"epoch": epoch + 1, "layout": [2]})
-    assert ack == {"applied_epoch": epoch + 1, "layout": [2], "outcome": "applied"}
+    ack = pod.ok("POST", "/v1/regroup", {"epoch": epoch + 1, "layout": [2], "from_epoch": epoch})
+    assert {k: ack[k] for k in ("applied_epoch", "layout", "outcome", "error")} == {
+        "applied_epoch": epoch + 1, "layout": [2], "outcome": "applied", "error": None}
+    assert 0 < sum(ack["requests"].values()) <= 8 and ack["seconds"] > 0  # the decoding ones moved (KV or recompute)
     state = pod.state()
     assert (state["layout"], state["epoch"], state["groups"][0]["ranks"], state["groups"][0]["tp"]) == (
         [2], epoch + 1, [0, 1], 2)
@@ -30,7 +32,10 @@ def test_operator_plan_applies_mid_batch(operator_pod, reference):
     assert pod.ok("POST", "/v1/regroup", {"epoch": epoch + 1, "layout": [2]}) == ack  # a retry is acknowledged
     assert pod.ok("POST", "/v1/regroup", {"epoch": epoch + 1, "layout": [1, 1]}) == ack  # ... whatever it says
     status, reply = pod.call("POST", "/v1/regroup", {"epoch": epoch, "layout": [1, 1]})
-    assert status == 409 and f"older than the applied epoch {epoch + 1}" in reply["error"], reply
+    assert status == 409 and f"not newer than the applied epoch {epoch + 1}" in reply["error"], reply
+    # A plan made for an epoch the pod has left (e.g. the last batch's tail) is refused, not applied.
+    status, reply = pod.call("POST", "/v1/regroup", {"epoch": epoch + 2, "layout": [1, 1], "from_epoch": epoch})
+    assert status == 409 and f"made for epoch {epoch}, the pod is at epoch {epoch + 1}" in reply["error"], reply
     assert pod.state()["layout"] == [2]
     metrics = pod.metrics()
     assert metrics[("pat_generator_layout_epoch", ())] == epoch + 1

@@ -1,6 +1,6 @@
 """Installs what the chart installs (CRDs, peering object, ServiceAccount, the chart's RBAC rules) into a real API
 server and runs `pat-operator` as a subprocess with only that ServiceAccount's token. Used by the operator tests
-and by bench/operator_scale.py."""
+and, through local_stack(), by the benchmarks under bench/."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import kubernetes
@@ -130,3 +132,33 @@ class OperatorProcess:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+@contextmanager
+def local_stack(tmp: Path, *operator_args: str, prometheus: bool = False) -> Iterator[tuple]:
+    """Outside pytest (the benchmarks): the control plane, the process kubelet, the installed operator running
+    with `operator_args`, and optionally a Prometheus scraping the pods. Yields (cluster, operator, prometheus)."""
+    from tests.cluster.controlplane import cluster_from_env
+    from tests.cluster.fixtures import Cluster
+    from tests.cluster.kubelet import ProcessKubelet
+    from tests.cluster.prometheus import PrometheusServer
+
+    plane = cluster_from_env().start()
+    kubelet = ProcessKubelet(plane.kubeconfig, root=tmp / "kubelet").start()
+    operator = server = None
+    try:
+        cluster = Cluster(plane, kubelet, tmp)
+        install(cluster.api_client())
+        kubeconfig = cluster.kubeconfig_for_token(cluster.token_for(SYSTEM_NAMESPACE, SERVICE_ACCOUNT))
+        operator = OperatorProcess(kubeconfig, tmp / "operator", *operator_args).start()
+        if prometheus:
+            (tmp / "prometheus").mkdir(exist_ok=True)
+            server = PrometheusServer(cluster.server, cluster.admin_token, tmp / "prometheus",
+                                      cluster.ca_file or None).start()
+        yield cluster, operator, server
+    finally:
+        for part in (server, operator):
+            if part is not None:
+                part.stop()
+        kubelet.stop()
+        plane.stop()

@@ -45,6 +45,18 @@ def test_parquet_with_other_field_names(tmp_path):
         load_problems(Dataset(path=str(tmp_path / "null.parquet")))
 
 
+def test_length_field_gives_exact_lengths_per_problem_or_per_sample(tmp_path):
+    write_lines(tmp_path / "tail.jsonl", ['{"problem": "1+1=", "answer": 2, "n": [300, 8]}',
+                                          '{"problem": "2+2=", "answer": 4, "n": 8}'])
+    problems = load_problems(Dataset(path=str(tmp_path / "tail.jsonl"), length_field="n"))
+    assert [p.lengths for p in problems] == [(300, 8), (8,)]
+    write_lines(tmp_path / "bad.jsonl", ['{"problem": "1+1=", "answer": 2, "n": [300, 0]}'])
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: field 'n' is \[300, 0\]; dataset.lengthField must hold"):
+        load_problems(Dataset(path=str(tmp_path / "bad.jsonl"), length_field="n"))
+    with pytest.raises(ValueError, match=r"tail.jsonl:1: field 'len' is missing or null .* set dataset.lengthField"):
+        load_problems(Dataset(path=str(tmp_path / "tail.jsonl"), length_field="len"))
+
+
 @pytest.mark.parametrize("lines,message", [
     (['{"problem": "1+1=", "answer": "2"}', '{"question": "x", "answer": "1"}'],
      r"bad.jsonl:2: field 'problem' is missing or null \(fields: \['answer', 'question'\]\); set dataset.promptField"),

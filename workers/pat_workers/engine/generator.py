@@ -82,7 +82,7 @@ class LocalGenerator:
         self.config = ModelConfig.from_dir(model_dir)  # fails here, in the caller, on a bad model directory
         self.layout: Layout = layouts.uniform(world)
         self.epoch = 0
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(options.max_seq)
         self.dead: set[int] = set()
         self.broken: set[Group] = set()  # blocks whose communicator failed: unusable until the pod restarts
         self._accounted_dead: set[int] = set()  # deaths a regroup fallback already handled
@@ -353,11 +353,14 @@ class LocalGenerator:
         if event[0] != "step":
             return None
         _, group, batch, waiting, seconds, tokens, prefill_tokens, finished, running = event
-        self.metrics.on_step(group, batch, len(running), waiting, seconds, tokens)
         self._last_step[group] = (waiting, {rid for rid, _ in running})
+        context = 0
         for rid, generated in running:
             if rid in self._generated:
                 self._generated[rid] = generated
+                context += len(self._requests[rid].prompt) + generated
+        self.metrics.on_step(group, batch, len(running), waiting, seconds, tokens, context,
+                             sum(generated for _, generated in running))
         for r in finished:
             if r.id in self._where:
                 self._finished.append(r)

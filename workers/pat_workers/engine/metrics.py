@@ -9,6 +9,7 @@ from .regroup import RegroupReport
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 REGROUP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RESPONSE_BUCKETS = 32  # linear up to max_seq: the operator's length predictor reads lengths at this resolution
 
 
 def group_label(group: tuple[int, ...]) -> str:
@@ -16,7 +17,7 @@ def group_label(group: tuple[int, ...]) -> str:
 
 
 class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, max_seq: int = 2048, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.running = Gauge(names.GENERATOR_REQUESTS_RUNNING, "Requests decoding, per replica group", ["group"], registry=r)
@@ -36,21 +37,54 @@ class EngineMetrics:
                                     registry=r)
         self.batches = Counter(names.GENERATOR_BATCHES, "Rollout batches completed (the batch boundaries)",
                                registry=r)
+        self.context_tokens = Gauge(names.GENERATOR_RUNNING_CONTEXT_TOKENS, "KV tokens of the decoding requests, "
+                                    "summed per replica group", ["group"], registry=r)
+        self.generated_tokens = Gauge(names.GENERATOR_RUNNING_GENERATED_TOKENS, "Tokens generated so far by the "
+                                      "decoding requests, summed per replica group", ["group"], registry=r)
+        self.batch_open = Gauge(names.GENERATOR_BATCH_OPEN, "1 while a rollout batch is generating", registry=r)
+        self.batch_max_tokens = Gauge(names.GENERATOR_BATCH_MAX_TOKENS, "Response length cap of the open batch",
+                                      registry=r)
+        step = max(max_seq // RESPONSE_BUCKETS, 1)
+        self.response_tokens = Histogram(names.GENERATOR_RESPONSE_TOKENS, "Lengths of finished responses",
+                                         buckets=tuple(range(step, max_seq + step, step)), registry=r)
+        self.profile = Gauge(names.GENERATOR_PROFILE_STEP_SECONDS, "Decode step seconds by TP size and batch, "
+                             "measured at start and refined online", ["tp", "batch"], registry=r)
+        self.regroup_cost = Gauge(names.GENERATOR_REGROUP_COST, "Regroup cost model: fixed seconds, and seconds to "
+                                  "move one token's KV", ["term"], registry=r)
+        self.prefill_cost = Gauge(names.GENERATOR_PREFILL_COST, "Prefill cost by TP size: seconds at 0 tokens, "
+                                  "seconds per token", ["tp", "term"], registry=r)
+
+    def set_costs(self, profile: dict[str, dict[str, float]], fixed_seconds: float, kv_seconds_per_token: float,
+                  prefill: dict[int, tuple[float, float]]) -> None:
+        """The planner's inputs (profile as Profile.to_json writes it), so that the operator plans with them."""
+        for tp, row in profile.items():
+            for batch, seconds in row.items():
+                self.profile.labels(tp, batch).set(seconds)
+        self.regroup_cost.labels("fixed_seconds").set(fixed_seconds)
+        self.regroup_cost.labels("kv_seconds_per_token").set(kv_seconds_per_token)
+        for tp, (seconds, per_token) in prefill.items():
+            self.prefill_cost.labels(str(tp), "seconds").set(seconds)
+            self.prefill_cost.labels(str(tp), "seconds_per_token").set(per_token)
 
     def set_layout(self, groups: list[tuple[int, ...]], epoch: int) -> None:
-        for gauge in (self.running, self.waiting, self.tp_size):
+        per_group = (self.running, self.waiting, self.context_tokens, self.generated_tokens)
+        for gauge in (self.tp_size, *per_group):
             gauge.clear()
         for g in groups:
             self.tp_size.labels(group_label(g)).set(len(g))
-            self.running.labels(group_label(g)).set(0)
-            self.waiting.labels(group_label(g)).set(0)
+            for gauge in per_group:
+                gauge.labels(group_label(g)).set(0)
         self.epoch.set(epoch)
 
     def on_step(self, group: tuple[int, ...], batch: int, running: int, waiting: int, seconds: float,
-                tokens: int) -> None:
-        """batch: sequences the step decoded; running: those still decoding after it."""
-        self.running.labels(group_label(group)).set(running)
-        self.waiting.labels(group_label(group)).set(waiting)
+                tokens: int, context_tokens: int = 0, generated_tokens: int = 0) -> None:
+        """batch: sequences the step decoded; running: those still decoding after it, which hold context_tokens
+        of KV and have generated generated_tokens so far."""
+        label = group_label(group)
+        self.running.labels(label).set(running)
+        self.waiting.labels(label).set(waiting)
+        self.context_tokens.labels(label).set(context_tokens)
+        self.generated_tokens.labels(label).set(generated_tokens)
         self.tokens.inc(tokens)
         if batch:
             self.step_seconds.labels(str(len(group))).observe(seconds)

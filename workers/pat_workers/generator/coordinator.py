@@ -127,6 +127,7 @@ class Coordinator:
         self._next_plan = 0.0  # perf_counter time before which the pod does not plan again
         self._lengths: deque[int] = deque(maxlen=LENGTH_HISTORY)
         self._last_outcome: Literal["applied", "unchanged", "fallback"] = "unchanged"
+        self._last_ack: RegroupAck | None = None  # of the operator's last plan, for a retry of it
         self._receiving: int | None = None  # the weight version the ranks were sent into
         self._published = 0.0
         self.state: PodState = self._snapshot()
@@ -243,17 +244,24 @@ class Coordinator:
 
     # -- planning (controller=pod) ----------------------------------------------------------------------
     def _setup_planner(self) -> None:
-        if self.config.controller != "pod":
-            return
+        """The planner's inputs, exported as metrics too (controller=operator plans with them); and with
+        controller=pod the planner itself."""
         measured = self.gen.costs
         self.profile = self._offline_profile or Profile(measured.decode)
         cfg = self.gen.config
         kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _itemsize(self.config.options)
         self.costs = RegroupCosts(REGROUP_FIXED_SECONDS, kv_bytes_per_token / measured.link_bytes_per_s,
                                   measured.prefill)
+        self._export_costs()
+        if self.config.controller != "pod":
+            return
         allowed = self.config.tp_sizes or self.gen.tp_sizes
         self.controller = Controller([t for t in self.gen.tp_sizes if t in allowed], self.config.margin,
                                      self.config.cooldown_steps)
+
+    def _export_costs(self) -> None:
+        self.gen.metrics.set_costs(self.profile.to_json(), self.costs.fixed_seconds, self.costs.kv_seconds_per_token,
+                                   dict(self.costs.prefill))
 
     def _on_step(self, record: StepRecord) -> None:
         tp = len(record.group)
@@ -301,7 +309,12 @@ class Coordinator:
         if batch.done:
             lengths = [len(r.output) for r in batch.finished.values()]
             self._lengths.extend(lengths)
-            self.gen.metrics.batches.inc()
+            metrics = self.gen.metrics
+            for n in lengths:
+                metrics.response_tokens.observe(n)
+            metrics.batches.inc()
+            metrics.batch_open.set(0)
+            self._export_costs()  # the profile as refined during the batch
             log.info("batch %s done: %d responses, %d tokens", batch.batch_id, len(lengths), sum(lengths))
             self._publish(force=True)
             for notify in batch.watchers:
@@ -369,17 +382,21 @@ class Coordinator:
             self.gen.check(requests)
         except ValueError as e:
             raise Invalid(str(e)) from None
+        max_tokens = max(r.params.max_tokens for r in requests)
         if self.controller is not None:
-            max_tokens = max(r.params.max_tokens for r in requests)
             self._predictor = LengthPredictor(max_tokens, prior=list(self._lengths))
             # Against the base layout (all TP=1), not the last batch's tail layout: nothing is cached at a
             # boundary, so the margin must not keep a tail's merge for the next batch's bulk.
             decision = self.controller.start_batch(self.gen.world, [len(r.prompt) for r in requests], self.profile,
                                                    self._predictor, self.costs)
-            target = decision.layout or layouts.uniform(self.gen.world)
-            if target != self.gen.layout:
-                self._apply(replace(decision, layout=target))  # the pod is idle: nothing to move
+        else:  # the operator's plans are for a batch's tail: each batch starts in the base layout
+            decision = Decision(None, 0.0, 0.0, 0.0, "a new batch starts in the base layout")
+        target = decision.layout or layouts.uniform(self.gen.world)
+        if target != self.gen.layout:
+            self._apply(replace(decision, layout=target))  # the pod is idle: nothing to move
         self.gen.submit(requests)
+        self.gen.metrics.batch_open.set(1)
+        self.gen.metrics.batch_max_tokens.set(max_tokens)
         batch = _Batch(rollouts.batch_id, rollouts.policy_version, [r.id for r in requests])
         self._batches.pop(batch.batch_id, None)
         self._batches[batch.batch_id] = self._batch = batch
@@ -408,19 +425,31 @@ class Coordinator:
         if self.gen.weights_pending is not None:
             raise Conflict(f"the ranks are receiving the weights of version {self.gen.weights_pending}; retry once "
                            f"GET /v1/state shows that policy_version")
-        if plan.epoch == self.gen.epoch:  # a retry of the plan already applied
-            return RegroupAck(applied_epoch=self.gen.epoch, layout=list(self.gen.layout), outcome=self._last_outcome)
-        if plan.epoch < self.gen.epoch:
-            raise Conflict(f"epoch: plan epoch {plan.epoch} is older than the applied epoch {self.gen.epoch}; "
+        if self._last_ack is not None and plan.epoch == self._last_ack.applied_epoch == self.gen.epoch:
+            return self._last_ack  # a retry of the plan just applied
+        if plan.epoch <= self.gen.epoch:
+            raise Conflict(f"epoch: plan epoch {plan.epoch} is not newer than the applied epoch {self.gen.epoch}; "
                            f"plans must come with increasing epochs")
+        if plan.from_epoch is not None and plan.from_epoch != self.gen.epoch:
+            raise Conflict(f"from_epoch: the plan was made for epoch {plan.from_epoch}, the pod is at epoch "
+                           f"{self.gen.epoch} (layout {list(self.gen.layout)}); plan again from the current state")
         try:
             reports = self.gen.regroup(plan.layout, epoch=plan.epoch)
         except ValueError as e:  # LayoutError included
             raise Invalid(f"layout: {e}") from None
         self._last_outcome = _outcome(reports)
+        changed = [r for r in reports if r.outcome in ("applied", "fallback")]
+        moved: dict[str, int] = {}
+        for r in changed:
+            for mode, count in r.modes.items():
+                moved[mode] = moved.get(mode, 0) + count
+        self._last_ack = RegroupAck(
+            applied_epoch=self.gen.epoch, layout=list(self.gen.layout), outcome=self._last_outcome, requests=moved,
+            seconds=max((r.seconds.get("total", 0.0) for r in changed), default=0.0),
+            error=next((r.error for r in reports if r.error), None))
         log.info("regroup to %s (epoch %d, %s): the operator's plan", self.gen.layout, self.gen.epoch,
                  self._last_outcome)
-        return RegroupAck(applied_epoch=self.gen.epoch, layout=list(self.gen.layout), outcome=self._last_outcome)
+        return self._last_ack
 
     def update_weights(self, update: WeightUpdate) -> PodState:
         """Sends the ranks into the trainer's weight broadcast; policy_version follows once all of them hold it."""

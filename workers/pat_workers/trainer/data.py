@@ -22,6 +22,7 @@ SUFFIX_FORMATS = {".jsonl": "jsonl", ".parquet": "parquet"}
 class Problem:
     prompt: str
     answer: str
+    lengths: tuple[int, ...] | None = None  # dataset.lengthField: sample g generates exactly lengths[g % len]
 
 
 def load_problems(spec: Dataset, base_dir: str | Path | None = None) -> list[Problem]:
@@ -29,7 +30,7 @@ def load_problems(spec: Dataset, base_dir: str | Path | None = None) -> list[Pro
     prompt passed through dataset.promptTemplate."""
     problems = synthetic_arithmetic(spec.synthetic) if spec.synthetic is not None else _read_file(spec, base_dir)
     # str.replace, not str.format: templates of math prompts are full of LaTeX braces.
-    return [Problem(spec.prompt_template.replace("{prompt}", p.prompt), p.answer) for p in problems]
+    return [Problem(spec.prompt_template.replace("{prompt}", p.prompt), p.answer, p.lengths) for p in problems]
 
 
 def _read_file(spec: Dataset, base_dir: str | Path | None) -> list[Problem]:
@@ -70,23 +71,36 @@ def _parquet_records(path: Path, spec: Dataset) -> Iterator[tuple[str, dict[str,
         columns = pq.read_schema(path).names
     except pa.ArrowException as e:
         raise ValueError(f"dataset.path={spec.path!r}: {path} is not a readable Parquet file ({e})") from None
-    for option, field in (("promptField", spec.prompt_field), ("answerField", spec.answer_field)):
+    fields = _fields(spec)
+    for option, field in fields:
         if field not in columns:
             raise ValueError(f"{path}: no column {field!r} (columns: {columns}); set dataset.{option} to the "
                              "column that holds it")
-    table = pq.read_table(path, columns=[spec.prompt_field, spec.answer_field])
+    table = pq.read_table(path, columns=[field for _, field in fields])
     for row, record in enumerate(table.to_pylist()):
         yield f"{path} row {row}", record
 
 
+def _fields(spec: Dataset) -> list[tuple[str, str]]:
+    fields = [("promptField", spec.prompt_field), ("answerField", spec.answer_field)]
+    return fields + ([("lengthField", spec.length_field)] if spec.length_field else [])
+
+
 def _problem(record: dict[str, Any], where: str, spec: Dataset) -> Problem:
     values = []
-    for option, field in (("promptField", spec.prompt_field), ("answerField", spec.answer_field)):
+    for option, field in _fields(spec):
         if record.get(field) is None:
             raise ValueError(f"{where}: field {field!r} is missing or null (fields: {sorted(record)}); set "
                              f"dataset.{option} to the field that holds it")
-        values.append(str(record[field]))  # numeric answers (JSON numbers) compare as text
-    return Problem(*values)
+        values.append(record[field])
+    lengths = None
+    if spec.length_field:
+        value = values.pop()
+        lengths = tuple(value) if isinstance(value, list) else (value,)
+        if not lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in lengths):
+            raise ValueError(f"{where}: field {spec.length_field!r} is {value!r}; dataset.lengthField must hold a "
+                             f"whole number of tokens (1 or more), or a list of them (one per sample)")
+    return Problem(*(str(v) for v in values), lengths)  # numeric answers (JSON numbers) compare as text
 
 
 def synthetic_arithmetic(spec: SyntheticDataset) -> list[Problem]:

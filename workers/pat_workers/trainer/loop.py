@@ -198,10 +198,13 @@ class Trainer:
         alg, n_pods = self.alg, len(self.pods)
         batches: list[list[RolloutRequest]] = [[] for _ in range(n_pods)]
         for j, (index, prompt_ids) in enumerate(zip(indices, prompts)):  # G samples to one pod, prompts round-robin
+            lengths = self.problems[index].lengths
             for g in range(alg.samples_per_prompt):
+                length = lengths[g % len(lengths)] if lengths else None
                 batches[j % n_pods].append(RolloutRequest(
                     id=f"{j}.{g}", prompt_token_ids=prompt_ids,
-                    sampling=Sampling(max_tokens=alg.max_response_tokens, temperature=alg.temperature,
+                    sampling=Sampling(max_tokens=min(length or alg.max_response_tokens, alg.max_response_tokens),
+                                      ignore_eos=length is not None, temperature=alg.temperature,
                                       top_p=alg.top_p, seed=sample_seed(alg.seed, it, index, g))))
 
         async def generate(client: PodClient, i: int):

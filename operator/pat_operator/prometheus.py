@@ -1,0 +1,159 @@
+"""What the operator reads from Prometheus about a job's generator pods: one instant query for the planner's
+inputs and one for when each pod was last scraped, turned (purely) into a PodMetrics per pod.
+
+Series are selected by the `namespace` and `pod` target labels, which every Kubernetes scrape setup attaches
+(kubernetes_sd relabelling, a PodMonitor). A pod whose last scrape is older than `max_age` is stale: left out,
+never planned for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from . import metric_names as names
+from .layout import Group, Layout
+from .planner import Profile, RegroupCosts, Request
+
+INPUTS = (names.GENERATOR_TP_SIZE, names.GENERATOR_REQUESTS_RUNNING, names.GENERATOR_REQUESTS_WAITING,
+          names.GENERATOR_RUNNING_CONTEXT_TOKENS, names.GENERATOR_RUNNING_GENERATED_TOKENS,
+          names.GENERATOR_LAYOUT_EPOCH, names.GENERATOR_BATCH_OPEN, names.GENERATOR_BATCH_MAX_TOKENS,
+          names.GENERATOR_RESPONSE_TOKENS + "_bucket", names.GENERATOR_PROFILE_STEP_SECONDS,
+          names.GENERATOR_REGROUP_COST, names.GENERATOR_PREFILL_COST, names.GENERATOR_BATCHES + "_total")
+PRIOR_LENGTHS = 4096  # at most this many earlier response lengths feed the length predictor
+
+
+class PrometheusError(Exception):
+    """Why no metrics could be used; `reason` is a condition reason (CamelCase)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class PodMetrics:
+    layout: Layout
+    epoch: int
+    running: dict[Group, list[Request]]  # per group, as planner.plan takes them (means of the group's requests)
+    batch_open: bool
+    batches: int  # rollout batches completed
+    max_tokens: int  # the open batch's response length cap
+    lengths: list[int]  # earlier responses' lengths, at the histogram's bucket resolution
+    profile: Profile
+    costs: RegroupCosts
+    scraped_at: float  # unix seconds of the scrape
+
+    @property
+    def unfinished(self) -> int:
+        return sum(len(r) for r in self.running.values())
+
+
+def selectors(namespace: str, pods: Sequence[str]) -> tuple[str, str]:
+    """The two queries: the planner's inputs, and each pod's last scrape time."""
+    match = f'namespace="{namespace}",pod=~"{"|".join(sorted(pods))}"'
+    return (f'{{__name__=~"{"|".join(INPUTS)}",{match}}}',
+            f'timestamp({names.GENERATOR_LAYOUT_EPOCH}{{{match}}})')
+
+
+async def query(session: aiohttp.ClientSession, url: str, promql: str, timeout: float) -> list[dict]:
+    """An instant query; raises PrometheusError (Unreachable | QueryFailed)."""
+    try:
+        async with session.get(url.rstrip("/") + "/api/v1/query", params={"query": promql},
+                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            body = await resp.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        raise PrometheusError("PrometheusUnreachable", f"{url}: {type(e).__name__}: {e}") from None
+    except ValueError:
+        raise PrometheusError("QueryFailed", f"{url}: the answer is not JSON (HTTP {resp.status})") from None
+    if not isinstance(body, dict) or body.get("status") != "success":
+        error = body.get("error") if isinstance(body, dict) else body
+        raise PrometheusError("QueryFailed", f"{url}: HTTP {resp.status}: {error}")
+    return body["data"]["result"]
+
+
+def pod_metrics(series: list[dict], scrapes: list[dict], now: float, max_age: float
+                ) -> tuple[dict[str, PodMetrics], dict[str, str]]:
+    """Per pod name, its metrics; and per pod left out, why (stale, or missing an input)."""
+    scraped = {s["metric"].get("pod", ""): float(s["value"][1]) for s in scrapes}
+    by_pod: dict[str, list[tuple[dict, float]]] = defaultdict(list)
+    for s in series:
+        by_pod[s["metric"].get("pod", "")].append((s["metric"], float(s["value"][1])))
+    out, skipped = {}, {}
+    for pod, samples in by_pod.items():
+        at = scraped.get(pod)
+        if at is None or now - at > max_age:
+            skipped[pod] = f"stale: no scrape in the last {max_age:g} s"  # no age: the message must stay put
+            continue
+        try:
+            out[pod] = _parse(samples, at)
+        except (KeyError, ValueError) as e:
+            skipped[pod] = f"incomplete metrics: {e}"
+    return out, skipped
+
+
+def _parse(samples: list[tuple[dict, float]], scraped_at: float) -> PodMetrics:
+    per: dict[str, list[tuple[dict, float]]] = defaultdict(list)
+    for labels, value in samples:
+        per[labels["__name__"]].append((labels, value))
+
+    def one(name: str) -> float:
+        if not per[name]:
+            raise KeyError(f"no {name}")
+        return per[name][0][1]
+
+    def by_group(name: str) -> dict[Group, float]:
+        return {_group(labels["group"]): value for labels, value in per[name]}
+
+    sizes = by_group(names.GENERATOR_TP_SIZE)
+    if not sizes:
+        raise KeyError(f"no {names.GENERATOR_TP_SIZE}")
+    layout = tuple(len(g) for g in sorted(sizes))
+    running, waiting = by_group(names.GENERATOR_REQUESTS_RUNNING), by_group(names.GENERATOR_REQUESTS_WAITING)
+    context = by_group(names.GENERATOR_RUNNING_CONTEXT_TOKENS)
+    generated = by_group(names.GENERATOR_RUNNING_GENERATED_TOKENS)
+    requests: dict[Group, list[Request]] = {}
+    for g in sorted(sizes):
+        n = int(running.get(g, 0))
+        mean = (round(context.get(g, 0) / n), round(generated.get(g, 0) / n)) if n else (0, 0)
+        requests[g] = [mean] * n + [(0, 0)] * int(waiting.get(g, 0))
+    profile: dict[int, dict[int, float]] = defaultdict(dict)
+    for labels, value in per[names.GENERATOR_PROFILE_STEP_SECONDS]:
+        profile[int(labels["tp"])][int(labels["batch"])] = value
+    cost = {labels["term"]: value for labels, value in per[names.GENERATOR_REGROUP_COST]}
+    prefill: dict[int, dict[str, float]] = defaultdict(dict)
+    for labels, value in per[names.GENERATOR_PREFILL_COST]:
+        prefill[int(labels["tp"])][labels["term"]] = value
+    max_tokens = int(one(names.GENERATOR_BATCH_MAX_TOKENS))
+    return PodMetrics(
+        layout=layout, epoch=int(one(names.GENERATOR_LAYOUT_EPOCH)), running=requests,
+        batch_open=one(names.GENERATOR_BATCH_OPEN) > 0, batches=int(one(names.GENERATOR_BATCHES + "_total")),
+        max_tokens=max_tokens, lengths=_lengths(per[names.GENERATOR_RESPONSE_TOKENS + "_bucket"], max_tokens),
+        profile=Profile(profile),
+        costs=RegroupCosts(cost["fixed_seconds"], cost["kv_seconds_per_token"],
+                           {tp: (t["seconds"], t["seconds_per_token"]) for tp, t in prefill.items()}),
+        scraped_at=scraped_at)
+
+
+def _group(label: str) -> Group:
+    first, last = (int(x) for x in label.split("-"))
+    return tuple(range(first, last + 1))
+
+
+def _lengths(buckets: list[tuple[dict, float]], cap: int) -> list[int]:
+    """Lengths from cumulative histogram buckets, each at its bucket's upper bound (capped), scaled down to at
+    most PRIOR_LENGTHS in all."""
+    edges = sorted((math.inf if labels["le"] == "+Inf" else float(labels["le"]), value) for labels, value in buckets)
+    total = edges[-1][1] if edges else 0
+    scale = min(1.0, PRIOR_LENGTHS / total) if total else 0.0
+    out, below = [], 0.0
+    for edge, cumulative in edges:
+        out += [min(int(edge) if edge != math.inf else cap, cap)] * round((cumulative - below) * scale)
+        below = cumulative
+    return out
+

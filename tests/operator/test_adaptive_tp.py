@@ -1,0 +1,76 @@
+"""Adaptive TP end to end on the real control plane, real workers and a real Prometheus: the operator reads the
+generator pod's queue depths, regroups it in the long tail, says so in status and events, and the tokens equal
+those of the same job with adaptive TP off. The same with controller=pod (no Prometheus at all)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from .tailjob import claim, rollouts, tail_job, write_dataset
+
+pytestmark = pytest.mark.cluster
+LONG = 400  # tokens: the tail lasts ~15 s at TP=1 on this machine
+
+
+def _run(jobs, cluster, doc: dict, timeout: float = 420) -> dict:
+    name = doc["metadata"]["name"]
+    jobs.core.create_namespaced_persistent_volume_claim(jobs.namespace, claim(name))
+    jobs.create(doc)
+
+    def logs() -> str:
+        return "\n".join(f"--- {p.metadata.name}\n{cluster.kubelet.log(jobs.namespace, p.metadata.name, c)[-3000:]}"
+                         for p in jobs.pods(name) for c in (p.metadata.labels["pat.dev/role"],))
+    job = jobs.wait(name, lambda j: (j.get("status") or {}).get("phase") in ("Succeeded", "Failed"), "finished",
+                    timeout=timeout, explain=logs)
+    assert job["status"]["phase"] == "Succeeded", f"{job['status']}\n{logs()}"
+    return job
+
+
+def _conditions(job: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in job["status"]["conditions"]}
+
+
+@pytest.fixture
+def data_dir():
+    """The dataset, readable by the pods' non-root user (pytest's tmp_path is private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="pat-tail-"))
+    path.chmod(0o755)
+    write_dataset(path, LONG)
+    (path / "tail.jsonl").chmod(0o644)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_adaptive_tp_end_to_end(jobs, cluster, prometheus, operator, data_dir):
+    claim_dir = lambda name: cluster.kubelet.claim_dir(jobs.namespace, f"{name}-run")  # noqa: E731
+
+    # Adaptive TP off: every rank a TP=1 replica throughout.
+    job = _run(jobs, cluster, tail_job("fixed", data_dir, LONG, enabled=False))
+    assert job["status"]["generators"][0].get("regroups", 0) == 0
+    fixed = rollouts(claim_dir("fixed"), 1)
+
+    # The operator plans from Prometheus.
+    job = _run(jobs, cluster, tail_job("op", data_dir, LONG, prometheus_url=prometheus.url))
+    generator = job["status"]["generators"][0]
+    assert generator["regroups"] >= 1 and generator["appliedEpoch"] >= generator["desiredEpoch"] >= 1, generator
+    assert generator.get("lastRegroupTime")
+    conditions = _conditions(job)
+    assert conditions["MetricsAvailable"]["status"] == "True", conditions
+    assert conditions["Regrouping"]["status"] == "False"  # nothing in flight once done
+    events = jobs.events("op")
+    regrouped = [e for e in events if e.startswith("Regrouped: op-generator-0: 1+1 -> 2")]
+    assert regrouped and "s in the pod" in regrouped[0], events
+    assert not [e for e in events if e.startswith("RegroupFailed")], events
+    assert rollouts(claim_dir("op"), 1) == fixed  # greedy: the regroup changes no token
+    assert 'pat_operator_regroup_plans_total{outcome="applied"}' in operator.metrics()
+
+    # The pod plans for itself: no Prometheus, no MetricsAvailable condition.
+    job = _run(jobs, cluster, tail_job("pod", data_dir, LONG, controller="pod"))
+    assert "MetricsAvailable" not in _conditions(job)
+    log = cluster.kubelet.log(jobs.namespace, "pod-generator-0", "generator")
+    assert "regroup (1, 1) -> (2,)" in log, log[-3000:]
+    assert rollouts(claim_dir("pod"), 1) == fixed
