@@ -23,11 +23,12 @@ import aiohttp
 
 from . import planner
 from .api import Generator, GeneratorPodStatus
+from .layout import describe
 from .operator_metrics import OperatorMetrics
 from .podapi import RegroupAck, RegroupPlan
 from .podclient import PodClient, PodError
-from .reconcile import MetricsState
 from .prometheus import PodMetrics, PrometheusError, pod_metrics, query, selectors
+from .reconcile import MetricsState, stamp
 
 log = logging.getLogger("pat_operator.autoscaler")
 
@@ -99,19 +100,16 @@ class Autoscaler:
             self.counters.prometheus_errors.labels(e.reason).inc()
             return MetricsState("False", e.reason, f"{e}; keeping the current TP layouts")
         found, skipped = pod_metrics(series, scrapes, time.time(), self.settings.max_age_seconds)
-        missing = {pod: "no samples" for pod in ready if pod not in found and pod not in skipped}
-        skipped.update(missing)
+        skipped.update({pod: "no samples" for pod in ready if pod not in found and pod not in skipped})
         for pod, m in found.items():
             self._consider(pod, ready[pod], m)
+        why = "; ".join(f"{p}: {w}" for p, w in sorted(skipped.items()))
         if not found:
             reason = "StaleMetrics" if any(w.startswith("stale") for w in skipped.values()) else "NoData"
             self.counters.prometheus_errors.labels(reason).inc()
-            return MetricsState("False", reason, "; ".join(f"{p}: {w}" for p, w in sorted(skipped.items())) +
-                                "; keeping the current TP layouts")
-        message = f"{len(found)} of {len(ready)} generator pod(s) current"
-        if skipped:
-            message += "; " + "; ".join(f"{p}: {w}" for p, w in sorted(skipped.items()))
-        return MetricsState("True", "MetricsCurrent", message)
+            return MetricsState("False", reason, f"{why}; keeping the current TP layouts")
+        current = f"{len(found)} of {len(ready)} generator pod(s) current"
+        return MetricsState("True", "MetricsCurrent", f"{current}; {why}" if why else current)
 
     def _consider(self, name: str, ip: str, m: PodMetrics) -> None:
         pod = self.pods.setdefault(name, _Pod())
@@ -135,7 +133,7 @@ class Autoscaler:
 
     async def _send(self, name: str, ip: str, plan: RegroupPlan, old: Sequence[int]) -> None:
         client = PodClient(f"http://{ip}:{self.generator.port}", self.token, self.session)
-        change = f"{'+'.join(map(str, old))} -> {'+'.join(map(str, plan.layout))}"
+        change = f"{describe(old)} -> {describe(plan.layout)}"
         started, why = time.monotonic(), ""
         for attempt in range(1, self.settings.attempts + 1):
             try:
@@ -172,12 +170,12 @@ class Autoscaler:
         moved = ", ".join(f"{n} by {mode}" for mode, n in sorted(ack.requests.items()) if n) or "nothing"
         if ack.outcome == "applied":
             update.update(regroups=old.regroups + 1,
-                          last_regroup_time=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                          last_regroup_time=stamp(datetime.now(timezone.utc)))
             self.emit("Normal", "Regrouped", f"{name}: {change} (epoch {ack.applied_epoch}); moved {moved}; "
                                              f"{ack.seconds:.3f} s in the pod, {seconds:.3f} s acknowledged")
         elif ack.outcome == "fallback":
             self.emit("Warning", "RegroupFailed", f"{name}: {change} (epoch {ack.applied_epoch}) fell back to "
-                                                  f"{'+'.join(map(str, ack.layout))}: {ack.error}; no request "
+                                                  f"{describe(ack.layout)}: {ack.error}; no request "
                                                   f"was dropped")
         self.generators[name] = old.model_copy(update=update)
         self.pods[name].last_regroup = time.monotonic()

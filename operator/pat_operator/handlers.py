@@ -25,11 +25,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from . import builders
 from . import metric_names as names
-from .api import GROUP, PHASES, VERSION, GeneratorPodStatus, JobSpecError, parse_job
+from .api import GROUP, PHASES, VERSION, GeneratorPodStatus, JobSpecError
 from .autoscaler import AutoscaleSettings, Autoscaler
 from .operator_metrics import OperatorMetrics
 from .podclient import PodClient
-from .reconcile import Decision, Observed, Settings, decide, pod_view
+from .reconcile import Decision, Observed, Settings, decide, parse_body, pod_view
 
 PLURAL = "rlhfjobs"
 RESYNC_SECONDS = 5.0
@@ -126,8 +126,7 @@ async def run_job(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
 def _autoscaler(m: Memo, body: kopf.Body, token: str, observer: _Observer, wake: asyncio.Event) -> Autoscaler | None:
     """The job's autoscaler, if its adaptive TP is the operator's to drive (the spec is immutable once running)."""
     try:
-        job = parse_job({k: body.get(k) for k in ("apiVersion", "kind", "spec")} | {"metadata": {
-            "name": body.metadata.name, "namespace": body.metadata.namespace}})
+        job = parse_body(dict(body))
     except JobSpecError:
         return None  # decide() fails the job
     adaptive = job.spec.generator.adaptive_tp

@@ -21,6 +21,11 @@ def uniform(world: int, tp: int = 1) -> Layout:
     return (tp,) * (world // tp)
 
 
+def describe(layout: Sequence[int]) -> str:
+    """A layout as people read it: (2, 1, 1) -> '2+1+1'."""
+    return "+".join(map(str, layout))
+
+
 def tp_degrees(world: int) -> list[int]:
     """The group sizes a pod of `world` ranks can have: the powers of two that divide it."""
     return [1 << i for i in range(world.bit_length()) if world % (1 << i) == 0]

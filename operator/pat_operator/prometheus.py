@@ -24,7 +24,7 @@ INPUTS = (names.GENERATOR_TP_SIZE, names.GENERATOR_REQUESTS_RUNNING, names.GENER
           names.GENERATOR_RUNNING_CONTEXT_TOKENS, names.GENERATOR_RUNNING_GENERATED_TOKENS,
           names.GENERATOR_LAYOUT_EPOCH, names.GENERATOR_BATCH_OPEN, names.GENERATOR_BATCH_MAX_TOKENS,
           names.GENERATOR_RESPONSE_TOKENS + "_bucket", names.GENERATOR_PROFILE_STEP_SECONDS,
-          names.GENERATOR_REGROUP_COST, names.GENERATOR_PREFILL_COST, names.GENERATOR_BATCHES + "_total")
+          names.GENERATOR_REGROUP_COST, names.GENERATOR_PREFILL_COST)
 PRIOR_LENGTHS = 4096  # at most this many earlier response lengths feed the length predictor
 
 
@@ -42,12 +42,10 @@ class PodMetrics:
     epoch: int
     running: dict[Group, list[Request]]  # per group, as planner.plan takes them (means of the group's requests)
     batch_open: bool
-    batches: int  # rollout batches completed
     max_tokens: int  # the open batch's response length cap
     lengths: list[int]  # earlier responses' lengths, at the histogram's bucket resolution
     profile: Profile
     costs: RegroupCosts
-    scraped_at: float  # unix seconds of the scrape
 
     @property
     def unfinished(self) -> int:
@@ -91,13 +89,13 @@ def pod_metrics(series: list[dict], scrapes: list[dict], now: float, max_age: fl
             skipped[pod] = f"stale: no scrape in the last {max_age:g} s"  # no age: the message must stay put
             continue
         try:
-            out[pod] = _parse(samples, at)
+            out[pod] = _parse(samples)
         except (KeyError, ValueError) as e:
             skipped[pod] = f"incomplete metrics: {e}"
     return out, skipped
 
 
-def _parse(samples: list[tuple[dict, float]], scraped_at: float) -> PodMetrics:
+def _parse(samples: list[tuple[dict, float]]) -> PodMetrics:
     per: dict[str, list[tuple[dict, float]]] = defaultdict(list)
     for labels, value in samples:
         per[labels["__name__"]].append((labels, value))
@@ -132,12 +130,10 @@ def _parse(samples: list[tuple[dict, float]], scraped_at: float) -> PodMetrics:
     max_tokens = int(one(names.GENERATOR_BATCH_MAX_TOKENS))
     return PodMetrics(
         layout=layout, epoch=int(one(names.GENERATOR_LAYOUT_EPOCH)), running=requests,
-        batch_open=one(names.GENERATOR_BATCH_OPEN) > 0, batches=int(one(names.GENERATOR_BATCHES + "_total")),
-        max_tokens=max_tokens, lengths=_lengths(per[names.GENERATOR_RESPONSE_TOKENS + "_bucket"], max_tokens),
+        batch_open=one(names.GENERATOR_BATCH_OPEN) > 0, max_tokens=max_tokens, lengths=_lengths(per[names.GENERATOR_RESPONSE_TOKENS + "_bucket"], max_tokens),
         profile=Profile(profile),
         costs=RegroupCosts(cost["fixed_seconds"], cost["kv_seconds_per_token"],
-                           {tp: (t["seconds"], t["seconds_per_token"]) for tp, t in prefill.items()}),
-        scraped_at=scraped_at)
+                           {tp: (t["seconds"], t["seconds_per_token"]) for tp, t in prefill.items()}))
 
 
 def _group(label: str) -> Group:
@@ -156,4 +152,3 @@ def _lengths(buckets: list[tuple[dict, float]], cap: int) -> list[int]:
         out += [min(int(edge) if edge != math.inf else cap, cap)] * round((cumulative - below) * scale)
         below = cumulative
     return out
-

@@ -25,6 +25,7 @@ from typing import Any
 
 from . import builders
 from .api import Condition, GeneratorPodStatus, JobSpecError, RLHFJob, RLHFJobStatus, parse_job
+from .layout import describe
 
 # Condition types, in the order in which they decide the phase.
 FAILED, SUCCEEDED, SUSPENDED, RESTARTING, RUNNING, CREATED = (
@@ -129,15 +130,22 @@ def restart_backoff(restarts: int, settings: Settings) -> float:
     return min(settings.restart_backoff_seconds * 2 ** max(restarts - 1, 0), settings.restart_backoff_max_seconds)
 
 
+def parse_body(body: dict[str, Any]) -> RLHFJob:
+    """The job's spec as the models read it (the API server's metadata and status left out); JobSpecError names
+    each bad field."""
+    meta = body["metadata"]
+    return parse_job({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+                      "metadata": {"name": meta["name"], "namespace": meta.get("namespace")},
+                      "spec": body.get("spec")}, f"{meta.get('namespace')}/{meta['name']}")
+
+
 def decide(obs: Observed, settings: Settings = Settings()) -> Decision:
     meta = obs.body["metadata"]
     generation = meta.get("generation")
     status = RLHFJobStatus.model_validate(obs.body.get("status") or {})
     book = _Book(status, obs.now, generation)
     try:
-        job = parse_job({"apiVersion": obs.body.get("apiVersion"), "kind": obs.body.get("kind"),
-                         "metadata": {"name": meta["name"], "namespace": meta.get("namespace")},
-                         "spec": obs.body.get("spec")}, f"{meta.get('namespace')}/{meta['name']}")
+        job = parse_body(obs.body)
     except JobSpecError as e:
         live = [p.name for p in obs.pods if not p.deleting and p.phase not in ("Succeeded", "Failed")]
         if not book.true(FAILED):
@@ -242,7 +250,7 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
         book.set(CREATED, "False", "CreateFailed", why, Event("Warning", "CreateFailed", why))
     elif create:
         book.set(CREATED, "True", "PodsCreated", f"attempt {attempt}: {len(expected)} pod(s)")
-        book.fields["startTime"] = start or _stamp(now)
+        book.fields["startTime"] = start or stamp(now)
 
     ready = sum(1 for name in expected if name in current and current[name].ready)
     if ready == len(expected):
@@ -282,7 +290,7 @@ def phase_of(conditions: list[Condition]) -> str:
 
 def tp_summary(generators: list[dict[str, Any]]) -> str:
     """The TP layouts of the generator pods, e.g. '2+1+1 4' (one layout per pod)."""
-    return " ".join("+".join(map(str, g["layout"])) for g in generators if g.get("layout"))
+    return " ".join(describe(g["layout"]) for g in generators if g.get("layout"))
 
 
 class _Book:
@@ -309,7 +317,7 @@ class _Book:
         changed = old is None or old.status != status
         self.conditions[kind] = Condition(
             type=kind, status=status, reason=reason, message=message, observed_generation=self.generation,
-            last_transition_time=_stamp(self.now) if changed else old.last_transition_time)
+            last_transition_time=stamp(self.now) if changed else old.last_transition_time)
         if event is not None and changed:
             self.events.append(event)
 
@@ -318,7 +326,7 @@ class _Book:
         for other in (RUNNING, RESTARTING):
             if other in self.conditions:
                 self.set(other, "False", reason, message)
-        self.fields["completionTime"] = _stamp(self.now)
+        self.fields["completionTime"] = stamp(self.now)
 
     def decision(self, **kwargs: Any) -> Decision:
         new = {**self.status.model_dump(by_alias=True, exclude_none=True), **self.fields}
@@ -340,7 +348,7 @@ def _previous(status: RLHFJobStatus, pod: str) -> GeneratorPodStatus:
     return next((g for g in status.generators if g.pod == pod), GeneratorPodStatus(pod=pod))
 
 
-def _stamp(t: datetime) -> str:
+def stamp(t: datetime) -> str:
     return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 

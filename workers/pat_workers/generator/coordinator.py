@@ -126,7 +126,6 @@ class Coordinator:
         self._steps_unplanned = 0
         self._next_plan = 0.0  # perf_counter time before which the pod does not plan again
         self._lengths: deque[int] = deque(maxlen=LENGTH_HISTORY)
-        self._last_outcome: Literal["applied", "unchanged", "fallback"] = "unchanged"
         self._last_ack: RegroupAck | None = None  # of the operator's last plan, for a retry of it
         self._receiving: int | None = None  # the weight version the ranks were sent into
         self._published = 0.0
@@ -294,9 +293,8 @@ class Coordinator:
         except layouts.LayoutError as e:  # e.g. a block whose communicator failed earlier
             log.warning("planned regroup %s -> %s not applied: %s", old, decision.layout, e)
             return
-        self._last_outcome = _outcome(reports)
         log.info("regroup %s -> %s (epoch %d, %s) with %d request(s) unfinished: %s", old, self.gen.layout,
-                 self.gen.epoch, self._last_outcome, sum(self.gen.loads().values()), decision.reason)
+                 self.gen.epoch, _outcome(reports), sum(self.gen.loads().values()), decision.reason)
 
     # -- batches ----------------------------------------------------------------------------------------
     def _collect_finished(self) -> None:
@@ -437,18 +435,17 @@ class Coordinator:
             reports = self.gen.regroup(plan.layout, epoch=plan.epoch)
         except ValueError as e:  # LayoutError included
             raise Invalid(f"layout: {e}") from None
-        self._last_outcome = _outcome(reports)
         changed = [r for r in reports if r.outcome in ("applied", "fallback")]
         moved: dict[str, int] = {}
         for r in changed:
             for mode, count in r.modes.items():
                 moved[mode] = moved.get(mode, 0) + count
         self._last_ack = RegroupAck(
-            applied_epoch=self.gen.epoch, layout=list(self.gen.layout), outcome=self._last_outcome, requests=moved,
+            applied_epoch=self.gen.epoch, layout=list(self.gen.layout), outcome=_outcome(reports), requests=moved,
             seconds=max((r.seconds.get("total", 0.0) for r in changed), default=0.0),
             error=next((r.error for r in reports if r.error), None))
         log.info("regroup to %s (epoch %d, %s): the operator's plan", self.gen.layout, self.gen.epoch,
-                 self._last_outcome)
+                 self._last_ack.outcome)
         return self._last_ack
 
     def update_weights(self, update: WeightUpdate) -> PodState:
