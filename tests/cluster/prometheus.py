@@ -138,6 +138,10 @@ class PrometheusServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self._port}"
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
     def start(self, timeout: float = 30) -> PrometheusServer:
         self._discovery = PodDiscovery(*self._api)
         self.config_file.write_text(yaml.safe_dump(scrape_config(self._discovery.url), sort_keys=False))

@@ -1,10 +1,14 @@
 """An RLHFJob whose rollout batches have a long tail, for the adaptive-TP tests and bench/e2e_tail.py.
 
-Greedy, with exact response lengths from the dataset (lengthField, EOS ignored): per iteration one long response
-and 7 short ones, so that once the short ones end one engine rank decodes a single sequence while the other idles
--- the tail that merging the two ranks into one TP=2 group speeds up. The model is the tiny `bench` preset (103M
+Greedy, with exact response lengths from the dataset (lengthField, EOS ignored): per iteration `longs` problems
+whose first sample is long and the rest short. The generator deals a batch's requests in order to the least
+loaded replica group, so every long response (an even position) lands on the same engine rank: once the short
+ones end, that rank decodes the long ones while the other idles -- the tail that merging the two ranks into one
+TP=2 group speeds up. The model is the tiny `bench` preset (103M
 parameters): on this CPU its decode steps are bound by reading the weights, which TP=2 halves per rank (the
-smaller presets are too small to gain from TP). Two long responses, one per rank, would gain nothing here: both
+smaller presets are too small to gain from TP). The merge pays more the more long responses the busy rank holds
+(measured here: 1 long, TP=2 takes ~0.74x the TP=1 step; 8 long, ~0.62x): one rank alone gets much of the
+memory bandwidth, but only one core's arithmetic. Long responses spread over both ranks would gain little: both
 cores are busy either way (on a GPU a lone sequence leaves most of it idle, and TP gains there too).
 """
 
@@ -19,21 +23,27 @@ from .conftest import job_doc
 SHORT = 16
 
 
-def write_dataset(directory: Path, long: int) -> None:
+def problems(longs: int) -> int:
+    """Problems per iteration (two samples each): the `longs` ones and short ones up to 4."""
+    return max(4, longs)
+
+
+def write_dataset(directory: Path, long: int, longs: int = 1) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    lengths = [[long, SHORT], SHORT, SHORT, SHORT]  # per problem: one length for all samples, or one each
+    # per problem: one length for all samples, or one each
+    lengths = [[long, SHORT]] * longs + [SHORT] * (problems(longs) - longs)
     with (directory / "tail.jsonl").open("w") as f:
         for i, n in enumerate(lengths):
             f.write(json.dumps({"problem": f"{i}+{i}=", "answer": str(2 * i), "length": n}) + "\n")
 
 
 def tail_job(name: str, data_dir: Path, long: int, controller: str = "operator", enabled: bool = True,
-             prometheus_url: str | None = None, iterations: int = 2) -> dict[str, Any]:
+             prometheus_url: str | None = None, iterations: int = 2, longs: int = 1) -> dict[str, Any]:
     doc = job_doc(name, backoffLimit=0)
     spec = doc["spec"]
     spec["model"]["tiny"].update(preset="bench", tokenizer="bytes")
     spec["dataset"] = {"path": "/data/tail.jsonl", "lengthField": "length"}
-    spec["algorithm"].update(iterations=iterations, promptsPerIteration=4, samplesPerPrompt=2,
+    spec["algorithm"].update(iterations=iterations, promptsPerIteration=problems(longs), samplesPerPrompt=2,
                              maxResponseTokens=long, temperature=0.0, miniBatches=1)
     spec["reward"]["overlongBuffer"] = 0
     data = {"volumes": [{"name": "data", "hostPath": {"path": str(data_dir)}}],

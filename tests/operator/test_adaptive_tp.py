@@ -1,6 +1,7 @@
 """Adaptive TP end to end on the real control plane, real workers and a real Prometheus: the operator reads the
 generator pod's queue depths, regroups it in the long tail, says so in status and events, and the tokens equal
-those of the same job with adaptive TP off. The same with controller=pod (no Prometheus at all)."""
+those of the same job with adaptive TP off. The same with controller=pod (no Prometheus at all). And an engine
+rank that dies inside an operator-sent regroup: reported, and the gang restart takes over."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.cluster
 LONG = 400  # tokens: the tail lasts ~15 s at TP=1 on this machine
 
 
-def _run(jobs, cluster, doc: dict, timeout: float = 420) -> dict:
+def _run(jobs, cluster, doc: dict, timeout: float = 420, ends: str = "Succeeded") -> dict:
     name = doc["metadata"]["name"]
     jobs.core.create_namespaced_persistent_volume_claim(jobs.namespace, claim(name))
     jobs.create(doc)
@@ -26,7 +27,7 @@ def _run(jobs, cluster, doc: dict, timeout: float = 420) -> dict:
                          for p in jobs.pods(name) for c in (p.metadata.labels["pat.dev/role"],))
     job = jobs.wait(name, lambda j: (j.get("status") or {}).get("phase") in ("Succeeded", "Failed"), "finished",
                     timeout=timeout, explain=logs)
-    assert job["status"]["phase"] == "Succeeded", f"{job['status']}\n{logs()}"
+    assert job["status"]["phase"] == ends, f"{job['status']}\n{logs()}"
     return job
 
 
@@ -74,3 +75,26 @@ def test_adaptive_tp_end_to_end(jobs, cluster, prometheus, operator, data_dir):
     log = cluster.kubelet.log(jobs.namespace, "pod-generator-0", "generator")
     assert "regroup (1, 1) -> (2,)" in log, log[-3000:]
     assert rollouts(claim_dir("pod"), 1) == fixed
+
+
+def test_a_rank_dying_in_an_operator_regroup_fails_the_plan_and_the_gang_restarts(jobs, cluster, prometheus,
+                                                                                   operator, data_dir):
+    # Rank 1 exits while the ranks exchange KV for the operator's 1+1 -> 2. Rank 0 falls back to TP=1 with every
+    # request; the pod then fails (a dead rank's communicators cannot be trusted again), and the gang restarts
+    # from the last checkpoint. The failpoint is in the pod's environment, so every attempt dies the same way:
+    # past backoffLimit the job fails.
+    doc = tail_job("dies", data_dir, LONG, prometheus_url=prometheus.url)
+    doc["spec"]["runPolicy"]["backoffLimit"] = 1
+    doc["spec"]["generator"]["env"] = [{"name": "PAT_FAILPOINTS", "value": "regroup.transfer@1"}]
+    job = _run(jobs, cluster, doc, ends="Failed")
+    assert job["status"]["restarts"] == 1
+    assert next(c for c in job["status"]["conditions"] if c["type"] == "Failed")["reason"] == "BackoffLimitExceeded"
+    events = jobs.events("dies")
+    failed = [e for e in events if e.startswith("RegroupFailed: dies-generator-0: 1+1 -> 2")]
+    assert failed, events  # the ack says "fell back", or the pod was gone before it could answer
+    assert not [e for e in events if e.startswith("Regrouped")], events
+    assert any(e.startswith("GangRestart") and "dies-generator-0" in e for e in events), events
+    log = cluster.kubelet.log(jobs.namespace, "dies-generator-0", "generator")
+    assert "died" in log, log[-3000:]
+    metrics = operator.metrics()
+    assert any(f'pat_operator_regroup_plans_total{{outcome="{o}"}}' in metrics for o in ("fallback", "failed"))
