@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from . import builders
 from . import metric_names as names
-from .api import GROUP, PHASES, VERSION, GeneratorPodStatus, JobSpecError
+from .api import GROUP, PHASES, VERSION, GeneratorPodStatus, JobSpecError, RLHFJobStatus
 from .autoscaler import AutoscaleSettings, Autoscaler
 from .operator_metrics import OperatorMetrics
 from .podclient import PodClient
@@ -78,7 +78,7 @@ async def run_job(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
     key = (namespace, name)
     wake = m.wakers.setdefault(key, asyncio.Event())
     token = builders.job_token(m.token_key, uid)
-    observer = _Observer(m, token)
+    observer = _Observer(m, token, body.get("status"))
     errors: tuple[str, ...] = ()
     autoscaler = _autoscaler(m, body, token, observer, wake)
     autoscaling = asyncio.create_task(_autoscale(autoscaler, key, pods_by_job)) if autoscaler else None
@@ -233,12 +233,14 @@ class _Observer:
     TP layout and epoch (its /v1/state, with the job's token). Best effort: a pod that does not answer is
     skipped, its last known values stay in the status."""
 
-    def __init__(self, m: Memo, token: str):
+    def __init__(self, m: Memo, token: str, status: dict[str, Any] | None):
         self.m, self.token = m, token
         self.last = 0.0
         self.polling = False  # whether the last observation found pods to read
         self.iteration: int | None = None
-        self.generators: dict[str, GeneratorPodStatus] = {}
+        # From the status, so that a restarted operator goes on counting regroups where the last one stopped.
+        self.generators: dict[str, GeneratorPodStatus] = {
+            g.pod: g for g in RLHFJobStatus.model_validate(status or {}).generators}
 
     async def observe(self, body: dict[str, Any], pods: list) -> tuple[int | None, dict[str, GeneratorPodStatus]]:
         now = time.monotonic()

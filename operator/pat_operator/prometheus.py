@@ -54,7 +54,9 @@ class PodMetrics:
 
 def selectors(namespace: str, pods: Sequence[str]) -> tuple[str, str]:
     """The two queries: the planner's inputs, and each pod's last scrape time."""
-    match = f'namespace="{namespace}",pod=~"{"|".join(sorted(pods))}"'
+    # Pod names are DNS subdomains: of the regex's metacharacters only "." can occur, escaped as \\. in a PromQL string.
+    pods_regex = "|".join(sorted(pod.replace(".", "\\\\.") for pod in pods))
+    match = f'namespace="{namespace}",pod=~"{pods_regex}"'
     return (f'{{__name__=~"{"|".join(INPUTS)}",{match}}}',
             f'timestamp({names.GENERATOR_LAYOUT_EPOCH}{{{match}}})')
 

@@ -75,3 +75,8 @@ def test_selectors_name_the_pods_and_every_input():
     data, times = selectors("ns", ["b", "a"])
     assert 'namespace="ns",pod=~"a|b"' in data and names.GENERATOR_PROFILE_STEP_SECONDS in data
     assert times.startswith(f"timestamp({names.GENERATOR_LAYOUT_EPOCH}{{")
+
+
+def test_selectors_match_a_dotted_pod_name_literally():
+    data, _ = selectors("ns", ["job.v2-generator-0"])
+    assert 'pod=~"job\\\\.v2-generator-0"' in data  # PromQL unquotes \\. to the regex \. (a literal dot)
