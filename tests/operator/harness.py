@@ -116,6 +116,12 @@ class OperatorProcess:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             return r.read().decode()
 
+    def value(self, series: str, metrics: str | None = None) -> float:
+        """One sample of /metrics (now, or of an earlier `metrics()` text), e.g. 'x_total{result="ok"}'; 0 if absent."""
+        text = self.metrics() if metrics is None else metrics
+        return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " ")),
+                    0.0)
+
     def log(self) -> str:
         return self.log_file.read_text() if self.log_file.exists() else ""
 

@@ -178,8 +178,8 @@ def test_the_operator_cannot_read_secrets_and_serves_health_and_metrics(cluster,
     # Negative control: the admin can, so the 403 is the RBAC's doing.
     assert jobs.core.read_namespaced_secret("someone-elses", jobs.namespace).data
     assert operator.live()
-    text = operator.metrics()
-    assert "pat_operator_reconciles_total{result=\"ok\"}" in text and "pat_operator_pods_created_total" in text
+    assert operator.value('pat_operator_reconciles_total{result="ok"}') >= 1
+    assert operator.value("pat_operator_pods_created_total") >= 1
 
 
 def test_two_replicas_never_both_act(jobs, operator, cluster, tmp_path):

@@ -413,3 +413,11 @@ def test_cel_guards_keep_a_sparse_spec_valid():
                "spec": {"model": {"tiny": {}}, "dataset": {"synthetic": {}}}}
     assert crd_errors(minimal, openapi_schema(), "") == []
     assert crd_errors(minimal, openapi_schema(), "", copy.deepcopy(minimal)) == []
+
+
+def test_the_readmes_configuration_reference_is_what_the_models_generate():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("<!-- reference:start -->\n") + 25:readme.index("<!-- reference:end -->")]
+    assert section == crd.reference(), "README.md's configuration reference is stale: paste the output of " \
+        "`python -m pat_operator.crd --reference` between its reference markers"
+    assert "| `spec.generator.adaptiveTP.controller` | `pod` \\| `operator` |" in section

@@ -10,6 +10,11 @@ from .regroup import RegroupReport
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 REGROUP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RESPONSE_BUCKETS = 32  # linear up to max_seq: the operator's length predictor reads lengths at this resolution
+# The label values set up front (at 0), so that the series exist from the first scrape, before any regroup: a
+# labelled counter or histogram has no series until .labels() is called, and a dashboard panel on it would show
+# "no data" instead of 0. Decode steps by TP size start with each layout (set_layout).
+REGROUP_OUTCOMES = ("applied", "fallback")
+REGROUP_SECONDS_MODES = (*names.REGROUP_MODES, "total")
 
 
 def group_label(group: tuple[int, ...]) -> str:
@@ -32,6 +37,12 @@ class EngineMetrics:
                                         "migration mode (kv | recompute)", ["mode"], registry=r)
         self.regroup_seconds = Histogram(names.GENERATOR_REGROUP_SECONDS, "Seconds a regroup spent moving KV, "
                                          "recomputing, and in total", ["mode"], buckets=REGROUP_BUCKETS, registry=r)
+        for outcome in REGROUP_OUTCOMES:
+            self.regroups.labels(outcome)
+        for mode in names.REGROUP_MODES:
+            self.regroup_requests.labels(mode)
+        for mode in REGROUP_SECONDS_MODES:
+            self.regroup_seconds.labels(mode)
         self.epoch = Gauge(names.GENERATOR_LAYOUT_EPOCH, "Epoch of the applied TP layout", registry=r)
         self.policy_version = Gauge(names.GENERATOR_POLICY_VERSION, "Policy version of the weights the ranks hold",
                                     registry=r)
@@ -72,6 +83,7 @@ class EngineMetrics:
             gauge.clear()
         for g in groups:
             self.tp_size.labels(group_label(g)).set(len(g))
+            self.step_seconds.labels(str(len(g)))  # kept across layouts: a histogram is cumulative
             for gauge in per_group:
                 gauge.labels(group_label(g)).set(0)
         self.epoch.set(epoch)
@@ -91,12 +103,12 @@ class EngineMetrics:
 
     def on_regroup(self, reports: list[RegroupReport]) -> None:
         """One observation per changed group (the report of its leader), not per rank."""
-        changed = [r for r in reports if r.outcome in ("applied", "fallback")]
+        changed = [r for r in reports if r.outcome in REGROUP_OUTCOMES]
         for outcome in {r.outcome for r in changed}:
             self.regroups.labels(outcome).inc()
         for r in changed:
             for mode, count in r.modes.items():
                 self.regroup_requests.labels(mode).inc(count)
-            for mode in ("kv", "recompute", "total"):
+            for mode in REGROUP_SECONDS_MODES:
                 if mode in r.seconds:
                     self.regroup_seconds.labels(mode).observe(r.seconds[mode])

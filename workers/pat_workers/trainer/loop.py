@@ -60,6 +60,8 @@ class TrainerMetrics:
         g = lambda name, doc, labels=(): Gauge(name, doc, labels, registry=self.registry)  # noqa: E731
         self.iteration = g(names.TRAINER_ITERATION, "last completed iteration")
         self.phase = g(names.TRAINER_PHASE_SECONDS, "seconds per phase of the last iteration", ["phase"])
+        for phase in names.TRAINER_PHASES:  # 0 until the first iteration: the series exist from the first scrape
+            self.phase.labels(phase)
         self.scalars = {key: g(name, doc) for key, name, doc in (
             ("reward_mean", names.TRAINER_REWARD_MEAN, "mean reward of the last batch"),
             ("reward_std", names.TRAINER_REWARD_STD, "reward standard deviation of the last batch"),
