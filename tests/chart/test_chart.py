@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tests.cluster.dashboards import annotation_queries, panel_queries
-from tests.operator.conftest import Jobs, job_doc, phase
+from tests.operator.conftest import Jobs, condition, job_doc, phase
 
 ROOT = Path(__file__).parents[2]
 CHART = ROOT / "charts" / "pat-operator"
@@ -203,11 +203,17 @@ def test_helm_install_runs_the_operator_and_every_dashboard_panel_has_data(clust
         doc["spec"]["generator"].update(maxBatch=16, maxSeq=64)
         doc["spec"]["generator"]["adaptiveTP"]["controller"] = "operator"  # the operator queries Prometheus
         jobs.create(doc)
-        job = jobs.wait("charted", lambda j: (j.get("status") or {}).get("iteration", 0) >= 2, "iteration 2",
-                        timeout=240, explain=operator_log)
-        assert "MetricsAvailable" in {c["type"] for c in job["status"]["conditions"]}
-        prometheus.wait_for(f'pat_operator_reconciles_total{{namespace="{system}"}}', timeout=30)
-        prometheus.wait_for(f'pat_trainer_iteration{{namespace="{namespace}", pat_job="charted"}} >= 1', timeout=30)
+        jobs.wait("charted", lambda j: (j.get("status") or {}).get("iteration", 0) >= 2, "iteration 2",
+              timeout=240, explain=operator_log)
+        # The operator plans from the real Prometheus: its first queries may find no samples yet (NoData).
+        jobs.wait("charted", lambda j: condition(j, "MetricsAvailable").get("status") == "True",
+                  "MetricsAvailable=True", timeout=60, explain=operator_log)
+        explain = lambda: (f"job status: {jobs.get('charted').get('status')}\nevents: {jobs.events('charted')}\n"  # noqa: E731
+                           f"operator log:\n{operator_log()}")
+        prometheus.wait_for(f'pat_operator_reconciles_total{{namespace="{system}"}}', timeout=30, explain=explain)
+        # (a gang restart on the way would reset the new trainer's gauge to 0 until its first iteration)
+        prometheus.wait_for(f'pat_trainer_iteration{{namespace="{namespace}", pat_job="charted"}} >= 1', timeout=90,
+                            explain=explain)
         queries = [*panel_queries(ROOT / "dashboards" / "rlhf-job.json", namespace=namespace, job="charted"),
                    *panel_queries(ROOT / "dashboards" / "operator.json", namespace=system)]
         assert len(queries) >= 15

@@ -25,6 +25,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -190,14 +191,27 @@ class PrometheusServer:
             raise RuntimeError(f"query {promql!r} failed: {body.get('errorType')}: {body.get('error')}")
         return body["data"]["result"]
 
-    def wait_for(self, promql: str, timeout: float = 20) -> list:
-        """The query's result once it is not empty."""
+    def wait_for(self, promql: str, timeout: float = 20, explain: Callable[[], str] = lambda: "") -> list:
+        """The query's result once it is not empty; on a timeout the error shows the scrape targets, `explain()`
+        (what the caller knows of the scraped side) and the server's log."""
         deadline = time.monotonic() + timeout
         while not (result := self.query(promql)):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no result for {promql!r} in {timeout} s; prometheus log:\n{self.log()}")
+                raise TimeoutError(f"no result for {promql!r} in {timeout} s; targets:\n{self.targets()}\n"
+                                   f"{explain()}\nprometheus log:\n{self.log()}")
             time.sleep(0.2)
         return result
+
+    def targets(self) -> str:
+        """One line per active scrape target: its job, pod, health and last error (what a failed wait_for needs)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/targets?state=active", timeout=5) as response:
+                active = json.load(response)["data"]["activeTargets"]
+        except OSError as e:
+            return f"(targets unavailable: {e})"
+        return "\n".join(f"{t['labels'].get('job')} {t['labels'].get('namespace')}/{t['labels'].get('pod')} "
+                         f"{t['scrapeUrl']} {t['health']} {t['lastScrapeDuration']:.3f}s {t['lastError']}"
+                         for t in active)
 
     def pause(self) -> None:
         """Freeze the process (SIGSTOP): connections are accepted by the kernel but never answered."""

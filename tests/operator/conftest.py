@@ -88,6 +88,11 @@ def phase(p: str) -> Callable[[dict], bool]:
     return lambda job: (job.get("status") or {}).get("phase") == p
 
 
+def condition(job: dict, kind: str) -> dict:
+    """The job's status condition of this type; {} while it has none."""
+    return next((c for c in (job.get("status") or {}).get("conditions", []) if c["type"] == kind), {})
+
+
 def job_doc(name: str, trainer_command: list[str] | None = None, generator_command: list[str] | None = None,
             **run_policy: Any) -> dict[str, Any]:
     """The example job, with trivial commands when given (the gang logic does not need real workers)."""

@@ -12,7 +12,7 @@ import pytest
 
 from pat_operator import metric_names as names
 
-from .conftest import SLEEP, job_doc, phase
+from .conftest import SLEEP, condition, job_doc, phase
 
 pytestmark = pytest.mark.cluster
 
@@ -47,10 +47,6 @@ h.ThreadingHTTPServer((os.environ['POD_IP'], 8000), H).serve_forever()
 """]
 
 
-def _condition(job: dict, kind: str) -> dict:
-    return next((c for c in (job.get("status") or {}).get("conditions", []) if c["type"] == kind), {})
-
-
 def test_an_unresponsive_pod_and_an_unreachable_prometheus(jobs, prometheus, operator):
     failed_plans, failed_posts = 'pat_operator_regroup_plans_total{outcome="failed"}', \
         'pat_operator_regroup_attempts_total{result="error"}'
@@ -60,7 +56,7 @@ def test_an_unresponsive_pod_and_an_unreachable_prometheus(jobs, prometheus, ope
                                               "prometheus": {"url": prometheus.url, "queryInterval": 0.5}}
     jobs.create(doc)
     jobs.wait("faulty", phase("Running"), "Running")
-    job = jobs.wait("faulty", lambda j: _condition(j, "MetricsAvailable").get("status") == "True", "metrics read",
+    job = jobs.wait("faulty", lambda j: condition(j, "MetricsAvailable").get("status") == "True", "metrics read",
                     timeout=60)
     job = jobs.wait("faulty", lambda j: any(e.startswith("RegroupFailed") for e in jobs.events("faulty")),
                     "the plan failed", timeout=60)
@@ -74,15 +70,15 @@ def test_an_unresponsive_pod_and_an_unreachable_prometheus(jobs, prometheus, ope
 
     prometheus.pause()
     try:
-        job = jobs.wait("faulty", lambda j: _condition(j, "MetricsAvailable").get("status") == "False",
+        job = jobs.wait("faulty", lambda j: condition(j, "MetricsAvailable").get("status") == "False",
                         "metrics unavailable", timeout=30)
-        condition = _condition(job, "MetricsAvailable")
-        assert condition["reason"] == "PrometheusUnreachable" and "keeping the current TP layouts" in \
-            condition["message"], condition
+        unavailable = condition(job, "MetricsAvailable")
+        assert unavailable["reason"] == "PrometheusUnreachable" and "keeping the current TP layouts" in \
+            unavailable["message"], unavailable
         assert job["status"]["phase"] == "Running"
         assert any(e.startswith("MetricsUnavailable") for e in jobs.events("faulty"))
     finally:
         prometheus.resume()
-    jobs.wait("faulty", lambda j: _condition(j, "MetricsAvailable").get("status") == "True", "recovered",
+    jobs.wait("faulty", lambda j: condition(j, "MetricsAvailable").get("status") == "True", "recovered",
               timeout=30)
     assert operator.value('pat_operator_prometheus_errors_total{reason="PrometheusUnreachable"}') >= 1

@@ -6,7 +6,6 @@ set up front) -- by a real Prometheus where the binary is installed."""
 from __future__ import annotations
 
 import ast
-import copy
 import json
 import re
 import shutil
