@@ -2,9 +2,13 @@
 
 The roofline of one decode step is (weight bytes + KV bytes read) / HBM bandwidth; decode at small batch is
 memory-bound, so the fraction of it reached says how much of the GPU the engine uses. The step runs through
-the engine's own forward (the TP=1 shard views), captured in a CUDA graph so that kernel launches do not hide
-the memory time. Without a GPU it says so and exits 2.
+the engine's own forward (the shard views), captured in a CUDA graph so that kernel launches do not hide
+the memory time. With --shards it also times what one rank of a TP=t group computes (its shard: 1/t of the
+heads and MLP columns; the all-reduces between ranks need t GPUs and are not in it), at several contexts, and
+prefills; --out writes all of it as JSON (the measured side that `pat simulate`'s GPU cost model is checked
+against). Without a GPU it says so and exits 2.
   python bench/gpu_decode.py [--batches 1 32] [--context 1024] [--bandwidth 4.3e12]
+  python bench/gpu_decode.py --shards 1 2 4 8 --contexts 1024 8192 --batches 1 8 32 128 --out h200.json
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -24,10 +29,11 @@ from pat_workers.engine.tiny import PRESETS, hf_config, random_weights
 H200_BANDWIDTH = 4.8e12 * 0.9  # 4.8 TB/s peak; ~4.3 TB/s is what a device-to-device copy reaches
 
 
-def decode_seconds(model: Transformer, batch: int, context: int, iters: int) -> float:
+def decode_seconds(model: Transformer, batch: int, context: int, iters: int, tp: int = 1) -> float:
+    """One decode step of rank 0's TP=tp shard, replayed from a CUDA graph."""
     cfg, device = model.cfg, model.device
-    shard, comm = model.shard(1, 0), SoloCommunicator(0)
-    cache = KVCache.allocate(cfg, batch, cfg.num_kv_heads, context + 1, model.dtype, device)
+    shard, comm = model.shard(tp, 0), SoloCommunicator(0)
+    cache = KVCache.allocate(cfg, batch, cfg.num_kv_heads // tp, context + 1, model.dtype, device)
     k, v = cache.rows(0, batch)
     tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
     start = torch.full((batch,), context, dtype=torch.long, device=device)
@@ -56,6 +62,25 @@ def decode_seconds(model: Transformer, batch: int, context: int, iters: int) -> 
     return begin.elapsed_time(end) / 1e3 / iters
 
 
+def prefill_seconds(model: Transformer, tokens: int, tp: int, iters: int = 5) -> float:
+    """Prefilling one sequence of `tokens` on rank 0's TP=tp shard (large kernels: no graph needed)."""
+    cfg, device = model.cfg, model.device
+    shard, comm = model.shard(tp, 0), SoloCommunicator(0)
+    k, v = KVCache.allocate(cfg, 1, cfg.num_kv_heads // tp, tokens, model.dtype, device).rows(0, 1)
+    ids, start = torch.zeros(1, tokens, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long,
+                                                                                      device=device)
+    with torch.inference_mode():
+        model.forward(shard, comm, ids, start, k, v)
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(iters):
+            model.forward(shard, comm, ids, start, k, v)
+        end.record()
+        torch.cuda.synchronize()
+    return begin.elapsed_time(end) / 1e3 / iters
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -63,13 +88,18 @@ def main() -> int:
     ap.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="HBM bytes/s for the roofline")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--preset", default="llama-8b", choices=sorted(PRESETS))
+    ap.add_argument("--shards", type=int, nargs="+", help="also time one rank's shard of these TP sizes")
+    ap.add_argument("--contexts", type=int, nargs="+", help="with --shards: contexts (default --context)")
+    ap.add_argument("--prefills", type=int, nargs="+", default=[512, 4096], help="with --shards: prompt tokens")
+    ap.add_argument("--out", type=Path, help="write every measurement as JSON here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_decode: no CUDA device here; this benchmark measures a GPU and needs one (see README: "
               "'What needs a GPU').", file=sys.stderr)
         return 2
     hf = hf_config("llama", **PRESETS[args.preset])
-    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.context + 1)
+    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.context + 1, *args.prefills,
+                                        *(c + 1 for c in args.contexts or []))
     cfg = ModelConfig.from_hf(hf)
     weights = random_weights(hf, seed=0, device="cuda", dtype=torch.bfloat16)
     model = Transformer(cfg, weights)
@@ -85,7 +115,21 @@ def main() -> int:
                           "roofline_ms": round(roofline * 1e3, 3), "roofline_fraction": round(roofline / seconds, 3)}
         print(f"batch {batch:3d}: {seconds * 1e3:7.3f} ms/step, {batch / seconds:9.1f} tokens/s, "
               f"roofline {roofline * 1e3:.3f} ms -> {roofline / seconds:.1%} of it")
-    print(json.dumps({"batches": results, "roofline_fraction_batch1": results.get(1, {}).get("roofline_fraction")}))
+    summary = {"batches": results, "roofline_fraction_batch1": results.get(1, {}).get("roofline_fraction")}
+    if args.shards:
+        shards = {"device": torch.cuda.get_device_name(), "preset": args.preset, "weight_bytes": weight_bytes,
+                  "kv_bytes_per_token": cfg.kv_bytes_per_token(2), "decode": {}, "prefill": {}}
+        for tp in args.shards:  # seconds: decode[tp][context][batch], prefill[tp][tokens]
+            shards["decode"][tp] = {c: {b: decode_seconds(model, b, c, args.iters, tp) for b in args.batches}
+                                    for c in args.contexts or [args.context]}
+            shards["prefill"][tp] = {n: prefill_seconds(model, n, tp) for n in args.prefills}
+            print(f"TP={tp} shard: " + "; ".join(
+                f"context {c}: " + " ".join(f"b{b} {s * 1e3:.3f}" for b, s in row.items())
+                for c, row in shards["decode"][tp].items()) + " ms; prefill " +
+                " ".join(f"{n}: {s * 1e3:.2f}" for n, s in shards["prefill"][tp].items()) + " ms", flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(shards, indent=1))
+    print(json.dumps(summary))
     return 0
 
 
