@@ -140,9 +140,8 @@ def main() -> int:
         predictor = planner.LengthPredictor(max(lengths))
         predictor.observe(lengths)
         element_size = 2 if gen.options.dtype in ("bfloat16", "float16") else 4
-        costs = planner.RegroupCosts(REGROUP_FIXED_SECONDS,
-                                     gen.config.kv_bytes_per_token(element_size) / gen.costs.link_bytes_per_s,
-                                     gen.costs.prefill)
+        costs = planner.RegroupCosts.measured(REGROUP_FIXED_SECONDS, gen.config.kv_bytes_per_token(element_size),
+                                              gen.costs.link_bytes_per_s, gen.costs.prefill)
         # At the batch boundary the planner also picks the layout the batch starts in, from its size.
         first = planner.Controller(gen.tp_sizes, args.min_gain).start_batch(
             args.world, [PROMPT_TOKENS] * len(lengths), profile, predictor, costs).layout or dp

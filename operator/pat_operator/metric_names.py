@@ -53,3 +53,10 @@ OPERATOR_REGROUP_PLANS = "pat_operator_regroup_plans"  # counter, label outcome:
 OPERATOR_REGROUP_ATTEMPTS = "pat_operator_regroup_attempts"  # counter, label result: ok | error (each POST)
 OPERATOR_PROMETHEUS_ERRORS = "pat_operator_prometheus_errors"  # counter, label reason
 OPERATOR_REGROUP_DELAY_SECONDS = "pat_operator_regroup_plan_seconds"  # histogram: plan sent -> acknowledged
+
+
+def response_token_buckets(max_seq: int, buckets: int = 32) -> tuple[int, ...]:
+    """The upper bounds of GENERATOR_RESPONSE_TOKENS' buckets: linear up to max_seq. The operator's length predictor
+    reads earlier responses' lengths at this resolution."""
+    step = max(max_seq // buckets, 1)
+    return tuple(range(step, max_seq + step, step))

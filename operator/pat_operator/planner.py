@@ -186,6 +186,12 @@ class RegroupCosts:
             if getattr(self, name) < 0:
                 raise ValueError(f"regroup costs: {name}={getattr(self, name)} is negative; use seconds >= 0")
 
+    @classmethod
+    def measured(cls, fixed_seconds: float, kv_bytes_per_token: int, link_bytes_per_s: float,
+                 prefill: Mapping[int, tuple[float, float]]) -> RegroupCosts:
+        """As a pod derives them from its measured costs: KV moves at the link's bandwidth."""
+        return cls(fixed_seconds, kv_bytes_per_token / link_bytes_per_s, dict(prefill))
+
     def request_seconds(self, tp: int, context_tokens: int) -> float:
         """Moving one request into a group of size tp: the cheaper of moving its KV and re-prefilling it, as the
         engine picks per request (a TP size without a prefill measurement can only move KV)."""
@@ -297,7 +303,10 @@ def plan(layout: Sequence[int], running: Mapping[Group, Sequence[Request]], prof
 
 class Controller:
     """Hysteresis around plan(): a cooldown after each regroup, and no planning while one is in flight (from a
-    decide() that proposed it until regrouped())."""
+    decide() that proposed it until regrouped()). due() says when a pod asks again: once a request finished
+    since the last decide() (else every REPLAN_STEPS decode steps), as a decision barely changes in between."""
+
+    REPLAN_STEPS = 16  # decode steps (of any group) between decisions while no request finishes
 
     def __init__(self, tp_sizes: Sequence[int], margin: float = 0.1, cooldown_steps: int = 4):
         if cooldown_steps < 0:
@@ -305,15 +314,23 @@ class Controller:
         self.tp_sizes, self.margin, self.cooldown_steps = list(tp_sizes), margin, cooldown_steps
         self._cooldown = 0  # decode steps to wait before planning again
         self._in_flight = False
+        self._decided_for: int | None = None  # unfinished requests at the last decide()
+        self._steps_since = 0  # decode steps since the last decide()
 
     def step(self) -> None:
         """One decode step happened."""
         self._cooldown = max(self._cooldown - 1, 0)
+        self._steps_since += 1
+
+    def due(self, unfinished: int) -> bool:
+        """Whether to decide() now: a request finished since the last decision, or REPLAN_STEPS steps passed."""
+        return unfinished != self._decided_for or self._steps_since >= self.REPLAN_STEPS
 
     def decide(self, layout: Sequence[int], running: Mapping[Group, Sequence[Request]], profile: Profile,
                predictor: LengthPredictor, costs: RegroupCosts) -> Decision:
         """plan() during a batch, unless a regroup is in flight or cooling down. Call regrouped() once a
         proposed layout has been applied (or has failed)."""
+        self._decided_for, self._steps_since = sum(map(len, running.values())), 0
         if self._in_flight:
             return Decision(None, 0.0, 0.0, 0.0, "in flight: the proposed regroup is not applied yet")
         if self._cooldown:
@@ -332,7 +349,7 @@ class Controller:
         """At a batch boundary: the layout the new batch should start in (None: keep `layout`, by default
         all TP=1), for prompts of these lengths spread over the groups as the pod submits them. Resets the
         cooldown; the caller applies the layout before submitting, no regrouped() needed."""
-        self._in_flight, self._cooldown = False, 0
+        self._in_flight, self._cooldown, self._decided_for = False, 0, None
         layout = tuple(layout) if layout is not None else uniform(world)
         running = _spread([(prompt, 0) for prompt in prompts], groups(layout))
         return plan(layout, running, profile, predictor, costs, self.tp_sizes, self.margin, at_boundary=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -114,14 +114,10 @@ def _parse(samples: list[tuple[dict, float]]) -> PodMetrics:
     if not sizes:
         raise KeyError(f"no {names.GENERATOR_TP_SIZE}")
     layout = tuple(len(g) for g in sorted(sizes))
-    running, waiting = by_group(names.GENERATOR_REQUESTS_RUNNING), by_group(names.GENERATOR_REQUESTS_WAITING)
-    context = by_group(names.GENERATOR_RUNNING_CONTEXT_TOKENS)
-    generated = by_group(names.GENERATOR_RUNNING_GENERATED_TOKENS)
-    requests: dict[Group, list[Request]] = {}
-    for g in sorted(sizes):
-        n = int(running.get(g, 0))
-        mean = (round(context.get(g, 0) / n), round(generated.get(g, 0) / n)) if n else (0, 0)
-        requests[g] = [mean] * n + [(0, 0)] * int(waiting.get(g, 0))
+    requests = group_requests(sorted(sizes), by_group(names.GENERATOR_REQUESTS_RUNNING),
+                              by_group(names.GENERATOR_REQUESTS_WAITING),
+                              by_group(names.GENERATOR_RUNNING_CONTEXT_TOKENS),
+                              by_group(names.GENERATOR_RUNNING_GENERATED_TOKENS))
     profile: dict[int, dict[int, float]] = defaultdict(dict)
     for labels, value in per[names.GENERATOR_PROFILE_STEP_SECONDS]:
         profile[int(labels["tp"])][int(labels["batch"])] = value
@@ -132,7 +128,9 @@ def _parse(samples: list[tuple[dict, float]]) -> PodMetrics:
     max_tokens = int(one(names.GENERATOR_BATCH_MAX_TOKENS))
     return PodMetrics(
         layout=layout, epoch=int(one(names.GENERATOR_LAYOUT_EPOCH)), running=requests,
-        batch_open=one(names.GENERATOR_BATCH_OPEN) > 0, max_tokens=max_tokens, lengths=_lengths(per[names.GENERATOR_RESPONSE_TOKENS + "_bucket"], max_tokens),
+        batch_open=one(names.GENERATOR_BATCH_OPEN) > 0, max_tokens=max_tokens,
+        lengths=histogram_lengths([(math.inf if labels["le"] == "+Inf" else float(labels["le"]), value)
+                                   for labels, value in per[names.GENERATOR_RESPONSE_TOKENS + "_bucket"]], max_tokens),
         profile=Profile(profile),
         costs=RegroupCosts(cost["fixed_seconds"], cost["kv_seconds_per_token"],
                            {tp: (t["seconds"], t["seconds_per_token"]) for tp, t in prefill.items()}))
@@ -143,10 +141,22 @@ def _group(label: str) -> Group:
     return tuple(range(first, last + 1))
 
 
-def _lengths(buckets: list[tuple[dict, float]], cap: int) -> list[int]:
-    """Lengths from cumulative histogram buckets, each at its bucket's upper bound (capped), scaled down to at
-    most PRIOR_LENGTHS in all."""
-    edges = sorted((math.inf if labels["le"] == "+Inf" else float(labels["le"]), value) for labels, value in buckets)
+def group_requests(groups: Sequence[Group], running: Mapping[Group, float], waiting: Mapping[Group, float],
+                   context: Mapping[Group, float], generated: Mapping[Group, float]) -> dict[Group, list[Request]]:
+    """The planner's requests from a pod's gauges: per group, `running` requests at the group's mean context and
+    generated tokens (the sums over its running requests, divided by their count), then `waiting` ones at (0, 0)."""
+    requests: dict[Group, list[Request]] = {}
+    for g in groups:
+        n = int(running.get(g, 0))
+        mean = (round(context.get(g, 0) / n), round(generated.get(g, 0) / n)) if n else (0, 0)
+        requests[g] = [mean] * n + [(0, 0)] * int(waiting.get(g, 0))
+    return requests
+
+
+def histogram_lengths(buckets: Sequence[tuple[float, float]], cap: int) -> list[int]:
+    """Lengths from cumulative histogram buckets (upper bound, count), each at its bucket's upper bound (capped),
+    scaled down to at most PRIOR_LENGTHS in all."""
+    edges = sorted(buckets)
     total = edges[-1][1] if edges else 0
     scale = min(1.0, PRIOR_LENGTHS / total) if total else 0.0
     out, below = [], 0.0

@@ -9,7 +9,6 @@ from .regroup import RegroupReport
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 REGROUP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-RESPONSE_BUCKETS = 32  # linear up to max_seq: the operator's length predictor reads lengths at this resolution
 # The label values set up front (at 0), so that the series exist from the first scrape, before any regroup: a
 # labelled counter or histogram has no series until .labels() is called, and a dashboard panel on it would show
 # "no data" instead of 0. Decode steps by TP size start with each layout (set_layout).
@@ -55,9 +54,8 @@ class EngineMetrics:
         self.batch_open = Gauge(names.GENERATOR_BATCH_OPEN, "1 while a rollout batch is generating", registry=r)
         self.batch_max_tokens = Gauge(names.GENERATOR_BATCH_MAX_TOKENS, "Response length cap of the open batch",
                                       registry=r)
-        step = max(max_seq // RESPONSE_BUCKETS, 1)
         self.response_tokens = Histogram(names.GENERATOR_RESPONSE_TOKENS, "Lengths of finished responses",
-                                         buckets=tuple(range(step, max_seq + step, step)), registry=r)
+                                         buckets=names.response_token_buckets(max_seq), registry=r)
         self.profile = Gauge(names.GENERATOR_PROFILE_STEP_SECONDS, "Decode step seconds by TP size and batch, "
                              "measured at start and refined online", ["tp", "batch"], registry=r)
         self.regroup_cost = Gauge(names.GENERATOR_REGROUP_COST, "Regroup cost model: fixed seconds, and seconds to "

@@ -46,7 +46,6 @@ LENGTH_HISTORY = 4096  # response lengths of earlier batches the planner's lengt
 # allocation. RegroupReport.seconds["total"] of a regroup with nothing to move is 1-3 ms on a 2-core CPU over
 # shared memory; 5 ms is on the safe side there and for NCCL.
 REGROUP_FIXED_SECONDS = 0.005
-REPLAN_STEPS = 16  # group steps between plans while no request finishes
 PLAN_SPACING = 20  # at least this many plans' durations between two plans
 
 
@@ -122,8 +121,6 @@ class Coordinator:
         self._on_exit: Callable[[], None] | None = None
         self._batches: OrderedDict[str, _Batch] = OrderedDict()
         self._batch: _Batch | None = None  # the newest batch
-        self._planned_for: int | None = None  # unfinished requests at the last plan
-        self._steps_unplanned = 0
         self._next_plan = 0.0  # perf_counter time before which the pod does not plan again
         self._lengths: deque[int] = deque(maxlen=LENGTH_HISTORY)
         self._last_ack: RegroupAck | None = None  # of the operator's last plan, for a retry of it
@@ -248,9 +245,8 @@ class Coordinator:
         measured = self.gen.costs
         self.profile = self._offline_profile or Profile(measured.decode)
         cfg = self.gen.config
-        kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _itemsize(self.config.options)
-        self.costs = RegroupCosts(REGROUP_FIXED_SECONDS, kv_bytes_per_token / measured.link_bytes_per_s,
-                                  measured.prefill)
+        self.costs = RegroupCosts.measured(REGROUP_FIXED_SECONDS, cfg.kv_bytes_per_token(_itemsize(self.config.options)),
+                                           measured.link_bytes_per_s, measured.prefill)
         self._export_costs()
         if self.config.controller != "pod":
             return
@@ -269,15 +265,11 @@ class Coordinator:
         if self.controller is None or not self._generating():
             return
         self.controller.step()
-        # Re-plan when a request finished (else every REPLAN_STEPS: between finishes a decision barely changes),
-        # and no sooner than PLAN_SPACING plans' durations after the last one: a plan is ms of Python, CPU that
-        # the ranks need on a small host, so planning stays under ~1/PLAN_SPACING of a core.
-        unfinished, self._steps_unplanned = sum(self.gen.loads().values()), self._steps_unplanned + 1
-        if unfinished == self._planned_for and self._steps_unplanned < REPLAN_STEPS:
+        # Re-plan when the controller is due, and no sooner than PLAN_SPACING plans' durations after the last
+        # one: a plan is ms of Python, CPU that the ranks need on a small host, so planning stays under
+        # ~1/PLAN_SPACING of a core.
+        if not self.controller.due(sum(self.gen.loads().values())) or time.perf_counter() < self._next_plan:
             return
-        if time.perf_counter() < self._next_plan:
-            return
-        self._planned_for, self._steps_unplanned = unfinished, 0
         started = time.perf_counter()
         decision = self.controller.decide(self.gen.layout, self.gen.running_lengths(), self.profile,
                                           self._predictor, self.costs)
