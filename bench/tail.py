@@ -27,16 +27,10 @@ from pat_workers.engine.generator import LocalGenerator, RunResult, StepRecord
 from pat_workers.engine.rank import EngineOptions
 from pat_workers.engine.sampling import SamplingParams
 from pat_workers.engine.tiny import PRESETS, make_tiny_model
+from pat_workers.sim.lengths import lognormal_lengths
 
 PROMPT_TOKENS = 16
 REGROUP_FIXED_SECONDS = 0.02  # barrier + commit + bookkeeping of a regroup on local ranks, beyond moving KV
-
-
-def lognormal_lengths(n: int, cap: int, seed: int, mean_fraction: float = 0.4, sigma: float = 0.8) -> list[int]:
-    """DeepScaleR-like: mean ~40% of the cap, a long right tail clipped at the cap."""
-    rng = random.Random(seed)
-    mu = math.log(mean_fraction * cap) - sigma**2 / 2
-    return [max(4, min(cap, round(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
 
 
 def requests(lengths: list[int], seed: int) -> list[Request]:

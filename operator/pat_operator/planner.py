@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from functools import cache
 from itertools import accumulate, product
 from operator import mul
+from typing import TypeVar
 
 from .layout import Group, Layout, groups, uniform, validate
 
 Request = tuple[int, int]  # (context_tokens, generated_tokens) of one unfinished request
+Item = TypeVar("Item")  # what spread() places: requests, or the simulator's sequences
 
 
 class LengthPredictor:
@@ -264,7 +266,7 @@ def plan(layout: Sequence[int], running: Mapping[Group, Sequence[Request]], prof
     allowed = [t for t in tp_sizes if t in profile.tp_sizes]
     if at_boundary:
         options = [layout] + [o for o in _layouts(sum(layout), allowed, keep=set()) if o != layout]
-        loads = {o: {g: expected_running(load(requests)) for g, requests in _spread(everyone, groups(o)).items()}
+        loads = {o: {g: expected_running(load(requests)) for g, requests in spread(everyone, groups(o)).items()}
                  for o in options}
     else:
         merges = coarsenings(layout, allowed)
@@ -351,7 +353,7 @@ class Controller:
         cooldown; the caller applies the layout before submitting, no regrouped() needed."""
         self._in_flight, self._cooldown, self._decided_for = False, 0, None
         layout = tuple(layout) if layout is not None else uniform(world)
-        running = _spread([(prompt, 0) for prompt in prompts], groups(layout))
+        running = spread([(prompt, 0) for prompt in prompts], groups(layout))
         return plan(layout, running, profile, predictor, costs, self.tp_sizes, self.margin, at_boundary=True)
 
 
@@ -369,13 +371,13 @@ def _layouts(world: int, tp_sizes: Sequence[int], keep: set[Group]) -> list[Layo
     return [sum(choice, ()) for choice in product(*(block(s, top) for s in range(0, world, top)))]
 
 
-def _spread(requests: Sequence[Request], to: Sequence[Group]) -> dict[Group, list[Request]]:
+def spread(requests: Sequence[Item], to: Sequence[Group]) -> dict[Group, list[Item]]:
     """Requests over groups as the pod submits them: each to the group with the fewest per rank (first on ties)."""
     world = sum(len(g) for g in to)
     # That greedy's i-th pick is the i-th smallest (requests per rank before it, group) slot, and no group
     # gets more than n * size / world + 1 requests: sorting those slots replays it in O(n log n).
     slots = sorted((j / len(g), i) for i, g in enumerate(to) for j in range(len(requests) * len(g) // world + 1))
-    placed: dict[Group, list[Request]] = {g: [] for g in to}
+    placed: dict[Group, list[Item]] = {g: [] for g in to}
     for r, (_, i) in zip(requests, slots):
         placed[to[i]].append(r)
     return placed

@@ -1,0 +1,319 @@
+"""What a generator pod's steps cost, for the simulator: one interface (StepCosts), two sources of it.
+
+- Roofline: a GPU's datasheet numbers and a model's shape. A decode step of a TP group reads its weight shard
+  and the KV cache of its batch from HBM (or computes, whichever is slower), and all-reduces twice per layer
+  over NVLink; prefill is the same with more tokens.
+- Measured: the engine's own profiling pass (pat_workers.engine.costs.Costs, saved by Costs.to_json), e.g. of
+  this machine's CPU: the decode table interpolated through planner.Profile, prefill a + b * tokens.
+
+Both also say what the engine's profiling pass would measure (engine_costs, the Costs JSON format), which is
+what the planner is given, exactly as a pod gives it its measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from pat_operator.layout import tp_degrees
+from pat_operator.planner import Profile
+
+from ..presets import PRESETS, hf_config
+
+BF16 = 2  # bytes per weight and per KV element
+PREFILL_LENGTHS = (16, 128)  # as the engine's profiling pass (engine/costs.py) measures prefill
+PROFILE_CONTEXT = 64  # ... and decode steps, at this context per sequence
+
+
+class SimError(ValueError):
+    """Bad simulator input: the message names the field or flag and the fix."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: float
+    hbm_bytes_per_s: float
+    bf16_flops: float  # dense
+    link_bytes_per_s: float  # NVLink, one direction per GPU
+    link_latency_s: float  # one small all-reduce (an assumption: datasheets give no latency)
+    source: str
+
+
+GPUS: dict[str, GPU] = {g.name: g for g in (
+    GPU("A100-80GB", 80e9, 2.039e12, 312e12, 300e9, 10e-6,
+        "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): HBM2e 2,039 GB/s, BF16 312 TFLOPS dense, "
+        "NVLink 600 GB/s (both directions)"),
+    GPU("H100-SXM", 80e9, 3.35e12, 989e12, 450e9, 8e-6,
+        "NVIDIA H100 Tensor Core GPU datasheet (SXM5): HBM3 3.35 TB/s, BF16 1,979 TFLOPS with sparsity (989 "
+        "dense), NVLink 900 GB/s (both directions)"),
+    GPU("H200", 141e9, 4.8e12, 989e12, 450e9, 8e-6,
+        "NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e at 4.8 TB/s, BF16 1,979 TFLOPS with sparsity "
+        "(989 dense), NVLink 900 GB/s (both directions)"),
+)}
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Assumptions, not measurements: the fractions of the datasheet peaks that serving kernels reach."""
+    memory: float = 0.8  # of HBM bandwidth (decode GEMV and attention kernels)
+    compute: float = 0.6  # of dense BF16 FLOP/s (large GEMMs)
+    link: float = 0.8  # of NVLink bandwidth (ring all-reduce, KV moves)
+    step_overhead_s: float = 0.5e-3  # per step: scheduling, sampling, kernel launches
+    memory_reserve: float = 0.1  # of HBM kept from the KV cache: activations, CUDA graphs, fragmentation
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], name: str) -> ModelShape:
+        """From a Hugging Face config.json (Llama, Qwen2, Qwen3)."""
+        try:
+            heads = int(cfg["num_attention_heads"])
+            return cls(name, int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"]),
+                       heads, int(cfg.get("num_key_value_heads") or heads),
+                       int(cfg.get("head_dim") or cfg["hidden_size"] // heads), int(cfg["vocab_size"]),
+                       bool(cfg.get("tie_word_embeddings", False)))
+        except KeyError as e:
+            raise SimError(f"{name}: config.json lacks {e.args[0]}; give a Hugging Face config.json of a Llama/Qwen "
+                           f"model") from None
+
+    @property
+    def layer_params(self) -> int:
+        h, d = self.hidden, self.head_dim
+        return h * d * (2 * self.heads + 2 * self.kv_heads) + 3 * h * self.intermediate
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights every token multiplies with: the layers and the LM head (not the embedding lookup)."""
+        return self.layers * self.layer_params + self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.matmul_params + (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+    def kv_bytes_per_token(self, element_size: int = BF16) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * element_size
+
+    def tp_sizes(self, world: int) -> list[int]:
+        """As the engine allows: powers of two dividing the pod's ranks, the KV heads and the MLP width."""
+        return [t for t in tp_degrees(world) if self.kv_heads % t == 0 and self.intermediate % t == 0]
+
+
+# From the models' published config.json (meta-llama/Llama-3.1-8B, Qwen/Qwen3-14B on Hugging Face).
+SHAPES: dict[str, ModelShape] = {s.name: s for s in (
+    ModelShape("llama-3.1-8b", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128,
+               vocab=128256),
+    ModelShape("qwen3-14b", hidden=5120, intermediate=17408, layers=40, heads=40, kv_heads=8, head_dim=128,
+               vocab=151936),
+)}
+
+
+def tiny_shape(preset: str, family: str = "llama") -> ModelShape:
+    if preset not in PRESETS:
+        raise SimError(f"model.tiny.preset={preset!r} is unknown; known: {sorted(PRESETS)}")
+    return ModelShape.from_hf(hf_config(family, **PRESETS[preset]), f"tiny {family} {preset}")
+
+
+def read_shape(path: Path) -> ModelShape:
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SimError(f"--model-config {path}: {e}; give a Hugging Face config.json") from None
+    return ModelShape.from_hf(cfg, path.parent.name or str(path))
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """What the engine's profiling pass measures (the fields of engine.costs.Costs, in its JSON format)."""
+    link_bytes_per_s: float
+    link_latency_s: float
+    prefill: dict[int, tuple[float, float]]  # tp -> (seconds at 0 tokens, seconds per token)
+    decode: dict[int, dict[int, float]]  # tp -> batch -> seconds per decode step
+    source: str = "measured by the engine"
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str) -> EngineCosts:
+        try:
+            return cls(float(d["link_bytes_per_s"]), float(d["link_latency_s"]),
+                       {int(t): (float(a), float(b)) for t, (a, b) in d["prefill"].items()},
+                       {int(t): {int(b): float(s) for b, s in row.items()} for t, row in d["decode"].items()},
+                       str(d.get("source", f"measured ({where})")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise SimError(f"{where}: not an engine cost profile ({type(e).__name__}: {e}); expected the JSON of "
+                           f"Costs.to_json: link_bytes_per_s, link_latency_s, prefill {{tp: [a, b]}}, decode "
+                           f"{{tp: {{batch: seconds}}}}") from None
+
+
+class StepCosts(Protocol):
+    """Seconds of a TP group's steps. A decode step of `batch` sequences holding `context` KV tokens in all takes
+    base + per_context * context, where decode() -> (base, per_context): linear in the context, so that the time
+    of n steps of a fixed batch (context growing by batch per step) is a closed form."""
+
+    description: str
+    kv_bytes_per_token: int
+
+    def decode(self, tp: int, batch: int) -> tuple[float, float]: ...
+
+    def prefill_seconds(self, tp: int, contexts: Sequence[int]) -> float:
+        """One step prefilling sequences of these lengths together."""
+        ...
+
+    def migrate_seconds(self, nbytes: float) -> float: ...
+
+    def kv_capacity(self, tp: int) -> float:
+        """KV tokens a TP group can hold (math.inf: only the batch limit counts)."""
+        ...
+
+    def engine_costs(self, tp_sizes: Sequence[int], batches: Sequence[int]) -> EngineCosts: ...
+
+
+@dataclass(frozen=True)
+class Roofline:
+    gpu: GPU
+    shape: ModelShape
+    efficiency: Efficiency = Efficiency()
+    kv_bytes_per_token: int = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "kv_bytes_per_token", self.shape.kv_bytes_per_token())
+        if self.kv_capacity(1) <= 0:
+            raise SimError(f"{self.shape.name} ({self.shape.params / 1e9:.1f}B parameters, bf16) leaves no room for a KV "
+                           f"cache on one {self.gpu.name}; use a GPU with more memory")
+
+    @property
+    def description(self) -> str:
+        e = self.efficiency
+        return (f"roofline: {self.gpu.name} ({self.gpu.source}); assumed: {e.memory:.0%} of HBM bandwidth, "
+                f"{e.compute:.0%} of BF16 FLOP/s, {e.link:.0%} of NVLink, {self.gpu.link_latency_s * 1e6:g} us "
+                f"per all-reduce, {e.step_overhead_s * 1e3:g} ms per step, {e.memory_reserve:.0%} of HBM reserved")
+
+    def _allreduce(self, tp: int, tokens: int) -> float:
+        """Two per layer (attention and MLP outputs), each a ring: latency + 2 (t - 1) / t * bytes / bandwidth."""
+        if tp == 1:
+            return 0.0
+        nbytes = tokens * self.shape.hidden * BF16
+        one = self.gpu.link_latency_s + 2 * (tp - 1) / tp * nbytes / (self.gpu.link_bytes_per_s * self.efficiency.link)
+        return 2 * self.shape.layers * one
+
+    def _kv_bytes_per_rank(self, tp: int) -> int:
+        """Per token: KV heads split across the group, replicated once tp exceeds them."""
+        s = self.shape
+        return 2 * s.layers * max(s.kv_heads // tp, 1) * s.head_dim * BF16
+
+    def _bandwidth(self) -> float:
+        return self.gpu.hbm_bytes_per_s * self.efficiency.memory
+
+    def _flops(self) -> float:
+        return self.gpu.bf16_flops * self.efficiency.compute
+
+    def _weights_or_compute(self, tp: int, flops: float) -> float:
+        return max(self.shape.matmul_params * BF16 / tp / self._bandwidth(), flops / tp / self._flops())
+
+    def decode(self, tp: int, batch: int) -> tuple[float, float]:
+        s = self.shape
+        base = (self.efficiency.step_overhead_s + self._allreduce(tp, batch)
+                + self._weights_or_compute(tp, 2 * s.matmul_params * batch))
+        # Attention reads each context token's KV once (and does 4 FLOPs per head dim per head per layer).
+        per_context = max(self._kv_bytes_per_rank(tp) / self._bandwidth(),
+                          4 * s.layers * s.heads * s.head_dim / tp / self._flops())
+        return base, per_context
+
+    def prefill_seconds(self, tp: int, contexts: Sequence[int]) -> float:
+        s = self.shape
+        tokens = sum(contexts)
+        attention = 2 * s.layers * s.heads * s.head_dim * sum(n * n for n in contexts)  # causal: half of 4 n^2
+        return (self.efficiency.step_overhead_s + self._allreduce(tp, tokens)
+                + self._weights_or_compute(tp, 2 * s.matmul_params * tokens + attention))
+
+    def migrate_seconds(self, nbytes: float) -> float:
+        return self.gpu.link_latency_s + nbytes / (self.gpu.link_bytes_per_s * self.efficiency.link)
+
+    def kv_capacity(self, tp: int) -> float:
+        free = self.gpu.memory_bytes * (1 - self.efficiency.memory_reserve) - self.shape.params * BF16 / tp
+        return max(free, 0.0) // self._kv_bytes_per_rank(tp)
+
+    def engine_costs(self, tp_sizes: Sequence[int], batches: Sequence[int]) -> EngineCosts:
+        prefill = {}
+        for tp in tp_sizes:
+            (l0, s0), (l1, s1) = ((n, self.prefill_seconds(tp, [n])) for n in PREFILL_LENGTHS)
+            per_token = (s1 - s0) / (l1 - l0)
+            prefill[tp] = (max(s0 - per_token * l0, 0.0), per_token)
+        decode = {tp: {b: _step(self.decode(tp, b), b * PROFILE_CONTEXT) for b in batches} for tp in tp_sizes}
+        return EngineCosts(self.gpu.link_bytes_per_s * self.efficiency.link, self.gpu.link_latency_s, prefill, decode,
+                           f"roofline of {self.gpu.name} at context {PROFILE_CONTEXT}")
+
+
+@dataclass(frozen=True)
+class Measured:
+    costs: EngineCosts
+    kv_bytes_per_token: int  # of the model that was profiled, at the engine's dtype
+
+    def __post_init__(self):
+        object.__setattr__(self, "_profile", Profile(self.costs.decode))
+
+    @property
+    def description(self) -> str:
+        return f"measured: {self.costs.source} (decode TP sizes {sorted(self.costs.decode)})"
+
+    def decode(self, tp: int, batch: int) -> tuple[float, float]:
+        return self._profile.step_seconds(tp, batch), 0.0  # measured at one context: no context term
+
+    def prefill_seconds(self, tp: int, contexts: Sequence[int]) -> float:
+        a, b = self.costs.prefill[tp]
+        return a + b * sum(contexts)  # one forward, as the engine prefills consecutive slots
+
+    def migrate_seconds(self, nbytes: float) -> float:
+        return self.costs.link_latency_s + nbytes / self.costs.link_bytes_per_s
+
+    def kv_capacity(self, tp: int) -> float:
+        return math.inf  # the engine allocates max_batch slots of max_seq: only the batch limit counts
+
+    def engine_costs(self, tp_sizes: Sequence[int], batches: Sequence[int]) -> EngineCosts:
+        return self.costs  # measured already
+
+
+def _step(decode: tuple[float, float], context: float) -> float:
+    base, per_context = decode
+    return base + per_context * context
+
+
+def read_hardware(path: Path, shape: ModelShape) -> StepCosts:
+    """--hardware FILE.json: an engine cost profile (Costs.to_json: a measured CPU, say) or a GPU's numbers (the
+    fields of GPU, name and source included)."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SimError(f"--hardware {path}: {e}; give a JSON file (Costs.to_json, or a GPU: {list(GPU.__annotations__)})"
+                       ) from None
+    if isinstance(d, dict) and "decode" in d:
+        element_size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(d.get("dtype", "bfloat16"), 2)
+        return Measured(EngineCosts.from_json(d, f"--hardware {path}"), shape.kv_bytes_per_token(element_size))
+    try:
+        return Roofline(GPU(**d), shape)
+    except TypeError as e:
+        raise SimError(f"--hardware {path}: {e}; a GPU profile has the fields {list(GPU.__annotations__)}, an engine "
+                       f"profile link_bytes_per_s, link_latency_s, prefill and decode") from None
+
+
+def hardware(name_or_path: str, shape: ModelShape) -> StepCosts:
+    if name_or_path in GPUS:
+        return Roofline(GPUS[name_or_path], shape)
+    path = Path(name_or_path)
+    if not path.suffix == ".json":
+        raise SimError(f"--hardware {name_or_path!r}: not a built-in GPU ({', '.join(GPUS)}) nor a .json profile")
+    return read_hardware(path, shape)
