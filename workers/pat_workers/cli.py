@@ -3,6 +3,7 @@
   pat run JOB.yaml [--run-dir DIR] [--baseline]   an RLHFJob as local processes (what `make run` calls)
   pat validate JOB.yaml                           checks a job spec; prints each bad field and the fix
   pat prepare --job JOB.yaml --model DIR          builds the job's tiny model into DIR (a pod's init container)
+  pat simulate JOB.yaml | --preset NAME           adaptive TP vs fixed layouts under a GPU cost model (simulated)
   pat generator ...                               one generator pod (coordinator + engine ranks)
   pat trainer ...                                 one trainer rank
 """
@@ -88,9 +89,20 @@ def _prepare(argv: list[str]) -> int:
     return 0
 
 
+def _simulate(argv: list[str]) -> int:
+    from .sim.command import main as simulate
+    from .sim.hardware import SimError
+
+    try:
+        return simulate(argv)
+    except SimError as e:
+        print(f"pat simulate: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"run": _run, "validate": _validate, "prepare": _prepare}
+    commands = {"run": _run, "validate": _validate, "prepare": _prepare, "simulate": _simulate}
     if not argv or argv[0] not in (*commands, "generator", "trainer"):
         print(__doc__.strip(), file=sys.stderr)
         return 2

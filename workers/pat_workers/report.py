@@ -129,10 +129,7 @@ def plots(run_dir: Path, rows: list[dict], timeline: list[dict]) -> list[str]:
         axes[1].set_ylabel("running requests")
         axes[1].set_xlabel("seconds since start")
         fig.suptitle("Adaptive TP: layout and running requests over time")
-        fig.tight_layout()
-        fig.savefig(run_dir / "timeline.png", dpi=110)
-        plt.close(fig)
-        written.append(str(run_dir / "timeline.png"))
+        written.append(save_figure(fig, run_dir / "timeline.png"))
     if rows:
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
         bottom = [0.0] * len(rows)
@@ -149,11 +146,18 @@ def plots(run_dir: Path, rows: list[dict], timeline: list[dict]) -> list[str]:
         ax2.set_xlabel("iteration")
         ax2.set_ylabel("mean reward")
         ax2.set_title("reward")
-        fig.tight_layout()
-        fig.savefig(run_dir / "iterations.png", dpi=110)
-        plt.close(fig)
-        written.append(str(run_dir / "iterations.png"))
+        written.append(save_figure(fig, run_dir / "iterations.png"))
     return written
+
+
+def save_figure(fig, path: Path) -> str:
+    """Writes a matplotlib figure as a PNG (in this project's size) and frees it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
 
 
 def write(run_dir: Path, job: RLHFJob, outcome: dict, baseline_dir: Path | None = None) -> Path:

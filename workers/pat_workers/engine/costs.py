@@ -38,6 +38,12 @@ class Costs:
         """'kv' when moving the request's cache is predicted cheaper than re-prefilling it at TP=tp."""
         return "kv" if self.migrate_seconds(kv_bytes) <= self.recompute_seconds(tp, tokens) else "recompute"
 
+    def to_json(self, dtype: str, source: str) -> dict:
+        """The profile as `pat simulate --hardware FILE.json` reads it (pat_workers.sim.hardware.EngineCosts)."""
+        return {"source": source, "dtype": dtype, "link_bytes_per_s": self.link_bytes_per_s,
+                "link_latency_s": self.link_latency_s,
+                "prefill": {str(tp): list(ab) for tp, ab in self.prefill.items()},
+                "decode": {str(tp): {str(b): s for b, s in row.items()} for tp, row in self.decode.items()}}
 
 
 def _timed(fn, repeats: int, device: torch.device) -> float:

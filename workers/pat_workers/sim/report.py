@@ -1,0 +1,102 @@
+"""The policies side by side: iteration latency (generation + training), the table, PNG plots and one JSON object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pat_operator.layout import describe
+
+from ..report import save_figure
+from .hardware import GPU, ModelShape, StepCosts
+from .simulate import POLICIES, Result, Scenario, fixed
+
+FLOPS_PER_PARAM_TOKEN = 8  # policy forward + backward (6) and one more forward for the old/reference logprobs (2)
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """Training time is modelled, not simulated: FLOPs at a stated MFU (an assumption) on the trainer's GPUs."""
+    gpu: GPU
+    gpus: int
+    mfu: float = 0.4
+
+    def seconds(self, shape: ModelShape, tokens: int) -> float:
+        return FLOPS_PER_PARAM_TOKEN * shape.params * tokens / (self.gpus * self.gpu.bf16_flops * self.mfu)
+
+    def describe(self) -> str:
+        return (f"{FLOPS_PER_PARAM_TOKEN} x params x tokens at {self.mfu:.0%} MFU on {self.gpus} x {self.gpu.name} "
+                f"(assumed)")
+
+
+def compare(scenario: Scenario, costs: StepCosts) -> list[Result]:
+    """Every fixed TP size, then the planner as the pod and as the operator run it, then the oracle."""
+    return [fixed(scenario, costs, tp) for tp in scenario.tp_sizes] + [run(scenario, costs) for run in POLICIES.values()]
+
+
+def summary(results: list[Result], scenario: Scenario, planner_policy: str, train_seconds: float,
+            about: dict[str, Any]) -> dict[str, Any]:
+    """The JSON object: per policy its times, and the planner (`planner_policy`) against the best fixed layout
+    and the oracle."""
+    by_name = {r.policy: r for r in results}
+    best = min((r for r in results if r.policy.startswith("fixed")), key=lambda r: r.seconds)
+    ours, oracle = by_name[planner_policy], by_name["oracle"]
+    return {
+        "simulated": True, **about,
+        "responses": len(scenario.lengths), "world": scenario.world,
+        "mean_response_tokens": round(sum(scenario.lengths) / len(scenario.lengths), 1),
+        "response_cap": scenario.max_tokens, "train_seconds": round(train_seconds, 3),
+        "policies": {r.policy: {"generation_seconds": round(r.seconds, 3),
+                                "iteration_seconds": round(r.seconds + train_seconds, 3),
+                                "regroups": [[describe(old), describe(new), round(at, 3), round(took, 4)]
+                                             for at, old, new, took in r.regroups],
+                                "start_layout": describe(r.start_layout), "plans": r.plans} for r in results},
+        "best_fixed": best.policy, "planner": planner_policy,
+        "generation_reduction": round(1 - ours.seconds / best.seconds, 4),
+        "iteration_reduction": round(1 - (ours.seconds + train_seconds) / (best.seconds + train_seconds), 4),
+        "planner_over_oracle": round(ours.seconds / oracle.seconds, 4),
+        "generation_reduction_vs": {r.policy: round(1 - ours.seconds / r.seconds, 4) for r in results
+                                    if r.policy.startswith("fixed")},
+    }
+
+
+def table(results: list[Result], train_seconds: float) -> str:
+    best = min(r.seconds for r in results if r.policy.startswith("fixed"))
+    head = f"{'policy':20s} {'generation s':>12s} {'iteration s':>12s} {'regroups':>8s} {'vs best fixed':>13s}  layouts"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        layouts = " -> ".join([describe(r.start_layout)] + [describe(new) for _, _, new, _ in r.regroups])
+        lines.append(f"{r.policy:20s} {r.seconds:12.2f} {r.seconds + train_seconds:12.2f} {len(r.regroups):8d} "
+                     f"{r.seconds / best:13.3f}  {layouts}")
+    return "\n".join(lines)
+
+
+def plots(results: list[Result], train_seconds: float, out: Path) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    for r in results:
+        times = [t for t, _, _ in r.timeline] + [r.seconds]
+        axes[0].step(times, [n for _, n, _ in r.timeline] + [0], where="post", label=r.policy)
+        axes[1].step(times, [max(layout) for _, _, layout in r.timeline] + [max(r.timeline[-1][2])], where="post",
+                     label=r.policy)
+    axes[0].set_ylabel("unfinished sequences")
+    axes[0].legend(fontsize=8)
+    axes[1].set_ylabel("largest TP group")
+    axes[1].set_xlabel("simulated seconds since the batch started")
+    fig.suptitle("Simulated rollout batch: sequences left and TP layout over time, per policy")
+    written = [save_figure(fig, out / "timeline.png")]
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    names = [r.policy for r in results]
+    regroup = [sum(took for *_, took in r.regroups) for r in results]
+    ax.barh(names, [r.seconds - g for r, g in zip(results, regroup)], label="generation")
+    ax.barh(names, regroup, left=[r.seconds - g for r, g in zip(results, regroup)], label="regroups")
+    ax.barh(names, [train_seconds] * len(results), left=[r.seconds for r in results], label="training (modelled)")
+    ax.set_xlabel("simulated seconds per iteration")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8)
+    return written + [save_figure(fig, out / "latency.png")]
