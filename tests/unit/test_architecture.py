@@ -17,3 +17,7 @@ def test_operator_package_never_imports_torch():
     assert len(modules) > 3
     assert not imports_torch(modules)
     assert imports_torch(["pat_workers.engine"])  # the check can fail: the workers do import it
+
+
+def test_the_simulator_never_imports_torch():
+    assert not imports_torch(["pat_workers.sim", "pat_workers.sim.command", "pat_workers.sim.report"])

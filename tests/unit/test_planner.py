@@ -248,3 +248,20 @@ def test_controller_waits_for_the_regroup_and_then_cools_down():
     ctl.regrouped()
     ctl.start_batch(2, [10], *args)  # a new batch: no cooldown
     assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
+
+
+def test_controller_is_due_when_a_request_finished_or_after_replan_steps():
+    ctl = Controller([1, 2])
+    args = (Profile(PROFILE), LengthPredictor(4), COSTS)
+    assert ctl.due(2)  # nothing decided yet
+    ctl.decide((1, 1), TAIL, *args)
+    ctl.regrouped()
+    assert not ctl.due(2)  # TAIL holds 2 unfinished requests, as at that decision
+    assert ctl.due(1)  # one finished since
+    for _ in range(Controller.REPLAN_STEPS - 1):
+        ctl.step()
+    assert not ctl.due(2)
+    ctl.step()
+    assert ctl.due(2)
+    ctl.start_batch(2, [10], *args)
+    assert ctl.due(2)  # a new batch: decide at its first step

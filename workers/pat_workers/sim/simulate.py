@@ -365,12 +365,18 @@ def operator_planner(scenario: Scenario, costs: StepCosts) -> Result:
 
 
 def oracle(scenario: Scenario, costs: StepCosts) -> Result:
-    """Knows every length. Starts in the layout that ends the batch first when held (each candidate simulated
-    with the exact lengths); then, at finish events, merges into the coarsening that ends first if held from now,
-    regroup included, no margin -- unless merging into it later (once half, a quarter, ... of the unfinished are
-    left) ends sooner. A clairvoyant greedy search over the planner's candidates, not a proven bound."""
+    """Knows every length. From each start (the layout that ends the batch first when held, each candidate
+    simulated with the exact lengths, and every uniform layout) it merges, at finish events, into the coarsening
+    that ends first if held from now, regroup included, no margin -- unless merging into it later (once half, a
+    quarter, ... of the unfinished are left) ends sooner; the best start wins. A clairvoyant greedy search over
+    the planner's candidate layouts, not a proven bound."""
     options = planner.coarsenings(uniform(scenario.world), scenario.tp_sizes)  # from TP1 replicas: every layout
-    start = min(options, key=lambda o: (Pod(scenario, costs, o).held_end(o, 0.0, {}), -len(o)))
+    held = min(options, key=lambda o: (Pod(scenario, costs, o).held_end(o, 0.0, {}), -len(o)))
+    starts = dict.fromkeys([held] + [uniform(scenario.world, tp) for tp in scenario.tp_sizes])
+    return min((_greedy(scenario, costs, start) for start in starts), key=lambda r: r.seconds)
+
+
+def _greedy(scenario: Scenario, costs: StepCosts, start: Layout) -> Result:
     pod = Pod(scenario, costs, start)
     plans, finishes = 0, 0
     while True:

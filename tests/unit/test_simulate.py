@@ -1,0 +1,175 @@
+"""pat simulate: hand-computed small cases, the real planner inside it, the command and its errors."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pat_operator import planner
+from pat_workers.cli import main as pat
+from pat_workers.sim import simulate as sim
+from pat_workers.sim.hardware import GPU, Efficiency, EngineCosts, Measured, ModelShape, Roofline, SimError, hardware
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = 16
+# A pair of ranks whose TP=2 group decodes faster than a TP=1 replica at every batch size.
+DECODE = {1: {1: 0.010, 2: 0.012}, 2: {1: 0.004, 2: 0.005}}
+PREFILL = {1: (0.002, 1e-5), 2: (0.001, 1e-5)}  # a + b * tokens
+COSTS = Measured(EngineCosts(1e9, 0.0, PREFILL, DECODE), kv_bytes_per_token=1000)
+# ... and one where two TP=1 replicas beat a TP=2 group at batch 8 (4 each), while TP=2 wins at batch 1: the tail.
+TAIL = Measured(EngineCosts(1e9, 0.0, PREFILL, {1: {1: 0.010, 8: 0.012}, 2: {1: 0.006, 8: 0.016}}), 1000)
+BATCH = [200] + [20] * 7  # one long response, on replica 0 with 3 short ones
+
+
+def scenario(lengths, world=2, max_batch=8, tp_sizes=(1, 2), margin=0.1, prior=None, **kw) -> sim.Scenario:
+    return sim.Scenario(tuple(lengths), PROMPT, max(lengths), world, max_batch, tp_sizes,
+                        tuple(prior or lengths), margin=margin, **kw)
+
+
+def test_two_requests_on_a_pair_fixed_tp1_and_tp2_by_hand():
+    s = scenario([10, 4])
+    # TP1: a replica each. The long one: prefill 0.002 + 16e-5 s (its first token), then 9 steps at T1(1).
+    assert sim.fixed(s, COSTS, 1).seconds == pytest.approx(0.00216 + 9 * 0.010)
+    # TP2: one group. Prefill of both (0.001 + 32e-5 s), 3 steps at T2(2) until the short one is done, 6 at T2(1).
+    assert sim.fixed(s, COSTS, 2).seconds == pytest.approx(0.00132 + 3 * 0.005 + 6 * 0.004)
+
+
+def test_the_pod_merges_when_one_request_is_left():
+    s = scenario(BATCH)
+    result = sim.pod_planner(s, TAIL)
+    assert result.start_layout == (1, 1)  # the bulk: replicas
+    (at, old, new, took), = result.regroups
+    shorts_done = 0.002 + 4 * PROMPT * 1e-5 + 19 * TAIL.decode(1, 4)[0]
+    assert (old, new) == ((1, 1), (2,)) and at >= shorts_done  # no merge before the short ones finished
+    # The regroup: the fixed cost plus moving the long request's KV (context x 1000 B at 1 GB/s; cheaper than
+    # re-prefilling it at TP2, 0.001 s + 1e-5 s per token), after at most one step of waiting for the barrier.
+    move = sim.REGROUP_FIXED_SECONDS + (PROMPT + 200) * 1000 / 1e9
+    assert move - 1e-4 < took < move + 0.010
+    assert result.seconds < min(sim.fixed(s, TAIL, tp).seconds for tp in (1, 2))
+    # Negative control: a margin the gain never beats keeps the TP1 replicas throughout: fixed TP1 exactly.
+    never = sim.pod_planner(scenario(BATCH, margin=1e9), TAIL)
+    assert never.regroups == [] and never.seconds == sim.fixed(s, TAIL, 1).seconds
+
+
+def test_the_pod_policy_calls_the_planner_as_the_coordinator_does(monkeypatch):
+    calls = []
+    real = planner.plan
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("at_boundary", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan", counted)
+    result = sim.pod_planner(scenario(BATCH, plan_seconds=0.0), TAIL)  # plans not spaced out: due() alone
+    # start_batch, then decide() whenever due; it calls plan() unless in flight or cooling down.
+    assert calls[0] is True and not any(calls[1:]) and len(calls) <= result.plans
+    # Due once a request finished, else every 16 decode steps: the long request alone runs ~180 steps.
+    assert 180 // 16 <= result.plans <= len(calls) + 4 and result.plans < 200
+
+
+def test_the_operator_policy_plans_every_query_interval_from_group_means(monkeypatch):
+    seen = []
+    real = sim.operator_decide
+
+    def recorded(metrics, tp_sizes, margin):
+        seen.append(metrics)
+        return real(metrics, tp_sizes, margin)
+
+    monkeypatch.setattr(sim, "operator_decide", recorded)
+    s = scenario(BATCH, query_interval=0.1, cooldown_seconds=0.0)
+    result = sim.operator_planner(s, TAIL)
+    assert [len(r) for r in seen[0].running.values()] == [4, 4]  # four requests per replica, at their means
+    assert len({r for reqs in seen[0].running.values() for r in reqs}) == 1  # all alike: one (context, generated)
+    assert result.plans == len(seen) and result.regroups[0][1:3] == ((1, 1), (2,))
+    assert result.seconds < sim.fixed(s, TAIL, 1).seconds
+
+
+def test_kv_capacity_queues_requests():
+    # One TP1 replica that holds one sequence at a time: the two run one after the other, each with its prefill.
+    one_slot = scenario([10, 4], world=1, max_batch=1, tp_sizes=(1,))
+    assert sim.fixed(one_slot, COSTS, 1).seconds == pytest.approx(0.00216 + 9 * 0.010 + 0.00216 + 3 * 0.010)
+    # The roofline's KV capacity: memory less the weight shard, over the KV bytes per rank and token.
+    shape = ModelShape("toy", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=100)
+    gpu = GPU("toy", memory_bytes=shape.params * 2 + 2 * 26 * shape.kv_bytes_per_token(), hbm_bytes_per_s=1e12,
+              bf16_flops=1e15, link_bytes_per_s=1e11, link_latency_s=1e-5, source="test")
+    costs = Roofline(gpu, shape, Efficiency(memory_reserve=0.0))
+    assert costs.kv_capacity(1) == 2 * 26  # two sequences of 16 + 10 tokens
+    s = sim.Scenario((10, 10, 10), PROMPT, 10, 1, 8, (1,), (10,))
+    pod = sim.Pod(s, costs, (1,))
+    assert [len(g.running) for g in pod.groups.values()] == [2] and [len(g.queue) for g in pod.groups.values()] == [1]
+
+
+def test_roofline_decode_by_hand():
+    shape = ModelShape("toy", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=100)
+    gpu = GPU("toy", memory_bytes=1e9, hbm_bytes_per_s=1e12, bf16_flops=1e15, link_bytes_per_s=1e11,
+              link_latency_s=1e-5, source="test")
+    costs = Roofline(gpu, shape, Efficiency(1.0, 1.0, 1.0, 0.0, 0.0))
+    base, per_context = costs.decode(2, 4)
+    allreduce = 2 * 2 * (1e-5 + 2 * 1 / 2 * 4 * 64 * 2 / 1e11)
+    weights = shape.matmul_params * 2 / 2 / 1e12  # memory-bound at batch 4
+    assert base == pytest.approx(allreduce + weights)
+    assert per_context == pytest.approx(2 * 2 * 1 * 16 * 2 / 1e12)  # one KV head per rank of a TP2 group
+    assert costs.decode(1, 4)[1] == pytest.approx(2 * per_context)
+
+
+def test_the_oracle_is_not_worse_than_the_planners_here():
+    for lengths in (BATCH, [400, 40, 40, 40], [300, 250, 30, 20, 10, 5] * 3):
+        s = scenario(lengths)
+        best = sim.oracle(s, TAIL).seconds
+        assert best <= sim.pod_planner(s, TAIL).seconds + 1e-9
+        assert best <= sim.operator_planner(s, TAIL).seconds + 1e-9
+        assert best <= min(sim.fixed(s, TAIL, tp).seconds for tp in (1, 2)) + 1e-9
+
+
+def run_pat(argv, capsys):
+    code = pat(["simulate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_command_on_a_job_and_a_preset(tmp_path, capsys):
+    code, out, _ = run_pat([str(ROOT / "examples" / "local.yaml"), "--out", str(tmp_path / "job")], capsys)
+    assert code == 0, out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["simulated"] is True and result["planner"] == "planner (pod)" and result["world"] == 2
+    assert set(result["policies"]) == {"fixed TP1", "fixed TP2", "planner (pod)", "planner (operator)", "oracle"}
+    assert all(Path(p).is_file() for p in result["plots"])
+    code, out, _ = run_pat(["--preset", "paper-llama8b", "--cap", "2048", "--out", str(tmp_path / "p")], capsys)
+    assert code == 0
+    result = json.loads(out.strip().splitlines()[-1])
+    for key in ("generation_reduction", "iteration_reduction", "planner_over_oracle"):
+        assert isinstance(result[key], float), key
+    assert result["responses"] == 1024 and result["response_cap"] == 2048 and "fixed TP8" in result["policies"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--preset", "paper-gpt5"], "known: paper-llama8b, paper-qwen14b"),
+    (["--preset", "paper-llama8b", "--hardware", "TPU"], "not a built-in GPU (A100-80GB, H100-SXM, H200)"),
+    (["--preset", "paper-llama8b", "--model", "gpt2"], "--model 'gpt2' is unknown; known: llama-3.1-8b"),
+    ([str(ROOT / "examples" / "llama-3.1-8b.yaml")], "pass --model-config /models/Llama-3.1-8B-Instruct/config.json"),
+    ([], "give a job YAML or --preset NAME"),
+])
+def test_bad_input_names_the_flag_and_the_fix(argv, message, capsys):
+    code, _, err = run_pat(argv, capsys)
+    assert code == 2 and message in err, err
+
+
+def test_bad_files_name_the_flag(tmp_path, capsys):
+    (tmp_path / "lengths.json").write_text('{"a": 1}')
+    code, _, err = run_pat(["--preset", "paper-llama8b", "--lengths", str(tmp_path / "lengths.json")], capsys)
+    assert code == 2 and "--lengths" in err and "JSON list of integers" in err
+    (tmp_path / "gpu.json").write_text('{"name": "x"}')
+    with pytest.raises(SimError, match="--hardware .*gpu.json"):
+        hardware(str(tmp_path / "gpu.json"), ModelShape("toy", 64, 128, 2, 4, 2, 16, 100))
+
+
+def test_the_engines_costs_round_trip_through_json():
+    code = ("import json; from pat_workers.engine.costs import Costs; "
+            "print(json.dumps(Costs(2e9, 1e-4, {1: (0.01, 1e-4)}, {1: {1: 0.02, 4: 0.03}}).to_json('float32', 'cpu')))")
+    d = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    costs = Measured(EngineCosts.from_json(d, "test"), kv_bytes_per_token=1)
+    assert costs.decode(1, 2) == (pytest.approx(0.02 + 0.01 / 3), 0.0)  # interpolated through planner.Profile
+    assert costs.prefill_seconds(1, [100]) == pytest.approx(0.02) and costs.kv_capacity(1) == math.inf
