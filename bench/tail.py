@@ -18,6 +18,7 @@ import random
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 from pat_operator import planner
@@ -84,6 +85,45 @@ class Planned:
         return decision.layout
 
 
+def model_and_options(preset: str, seed: int, model_dir: Path | None, lengths: list[int], world: int
+                      ) -> tuple[Path, dict, EngineOptions]:
+    """The model (a cached random one of `preset` unless model_dir), its config.json, and the engine options of
+    the benchmark: a replica holds its share of the batch at once."""
+    model_dir = model_dir or Path.home() / ".cache" / "pat" / "models" / f"{preset}-llama-seed{seed}"
+    if not (model_dir / "config.json").is_file():
+        make_tiny_model(model_dir, family="llama", preset=preset, seed=seed)
+    per_replica = math.ceil(len(lengths) / world)
+    options = EngineOptions(max_batch=per_replica, max_seq=PROMPT_TOKENS + max(lengths) + 1,
+                            profile_batches=tuple(sorted({1, 2, 4, 8, 16, 32, per_replica, len(lengths)})))
+    return model_dir, json.loads((model_dir / "config.json").read_text()), options
+
+
+def planner_inputs(gen: LocalGenerator, lengths: list[int], min_gain: float
+                   ) -> tuple[planner.Profile, planner.LengthPredictor, planner.RegroupCosts, Layout]:
+    """The planner's inputs from the ranks' measured costs, and the layout it starts the batch in."""
+    profile = planner.Profile(gen.costs.decode)  # refined online by every planned run
+    # The batch's own lengths stand in for earlier iterations' (RLHF length distributions drift slowly).
+    predictor = planner.LengthPredictor(max(lengths))
+    predictor.observe(lengths)
+    element_size = 2 if gen.options.dtype in ("bfloat16", "float16") else 4
+    costs = planner.RegroupCosts.measured(REGROUP_FIXED_SECONDS, gen.config.kv_bytes_per_token(element_size),
+                                          gen.costs.link_bytes_per_s, gen.costs.prefill)
+    # At the batch boundary the planner also picks the layout the batch starts in, from its size.
+    first = planner.Controller(gen.tp_sizes, min_gain).start_batch(
+        gen.world, [PROMPT_TOKENS] * len(lengths), profile, predictor, costs).layout or uniform(gen.world)
+    return profile, predictor, costs, first
+
+
+def decode_steps(results: Iterable[RunResult]) -> dict[tuple[int, int], list[float]]:
+    """Seconds of the decode steps (no prefill in them) by (TP, batch rounded down to a power of two)."""
+    by_shape: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for r in results:
+        for s in r.steps:
+            if s.batch and not s.prefill_tokens:
+                by_shape[(len(s.group), 2 ** int(math.log2(s.batch)))].append(s.seconds)
+    return by_shape
+
+
 def mismatched_tokens(a: RunResult, b: RunResult) -> int:
     count = 0
     for rid, ca in a.completions.items():
@@ -110,13 +150,7 @@ def main() -> int:
         args.batch, args.cap, args.repeats = 16, 96, 1
     lengths = json.loads(args.lengths.read_text()) if args.lengths else lognormal_lengths(args.batch, args.cap,
                                                                                          args.seed)
-    model_dir = args.model_dir or Path.home() / ".cache" / "pat" / "models" / f"{args.preset}-llama-seed{args.seed}"
-    if not (model_dir / "config.json").is_file():
-        make_tiny_model(model_dir, family="llama", preset=args.preset, seed=args.seed)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    per_replica = math.ceil(len(lengths) / args.world)
-    options = EngineOptions(max_batch=per_replica, max_seq=PROMPT_TOKENS + max(lengths) + 1,
-                            profile_batches=tuple(sorted({1, 2, 4, 8, 16, 32, per_replica, len(lengths)})))
+    model_dir, cfg, options = model_and_options(args.preset, args.seed, args.model_dir, lengths, args.world)
     print(f"model: {args.preset} (hidden {cfg['hidden_size']}, intermediate {cfg['intermediate_size']}, "
           f"{cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} "
           f"KV heads, vocab {cfg['vocab_size']}), float32, {args.world} ranks x 1 thread")
@@ -129,16 +163,7 @@ def main() -> int:
               f"{gen.costs.link_bytes_per_s / 1e9:.2f} GB/s", flush=True)
         dp, tp = uniform(args.world), uniform(args.world, args.world)
 
-        profile = planner.Profile(gen.costs.decode)  # refined online by every planned run
-        # The batch's own lengths stand in for earlier iterations' (RLHF length distributions drift slowly).
-        predictor = planner.LengthPredictor(max(lengths))
-        predictor.observe(lengths)
-        element_size = 2 if gen.options.dtype in ("bfloat16", "float16") else 4
-        costs = planner.RegroupCosts.measured(REGROUP_FIXED_SECONDS, gen.config.kv_bytes_per_token(element_size),
-                                              gen.costs.link_bytes_per_s, gen.costs.prefill)
-        # At the batch boundary the planner also picks the layout the batch starts in, from its size.
-        first = planner.Controller(gen.tp_sizes, args.min_gain).start_batch(
-            args.world, [PROMPT_TOKENS] * len(lengths), profile, predictor, costs).layout or dp
+        profile, predictor, costs, first = planner_inputs(gen, lengths, args.min_gain)
         print(f"planner: the batch starts at layout {first}", flush=True)
 
         # (name, starting layout, plan once at most this many requests are left; None: never). Tail-only is
@@ -162,11 +187,7 @@ def main() -> int:
     for name, r in results.items():
         print(f"{name:10s} {r.seconds:8.2f} {means[name]:8.2f} {tail_seconds(r, len(lengths)):8.2f} "
               f"{len(r.regroups):8d} {sum(x.seconds for x in r.regroups):9.3f}")
-    by_shape: dict[tuple[int, int], list[float]] = defaultdict(list)
-    for r in (r for rs in runs.values() for r in rs):
-        for s in r.steps:
-            if s.batch and not s.prefill_tokens:
-                by_shape[(len(s.group), 2 ** int(math.log2(s.batch)))].append(s.seconds)
+    by_shape = decode_steps(r for rs in runs.values() for r in rs)
     print("\ndecode step latency, ms (mean over steps without prefill), by TP and batch size (bucket = lower "
           "power of two):")
     buckets = sorted({b for _, b in by_shape})
