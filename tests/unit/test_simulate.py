@@ -87,18 +87,25 @@ def test_the_operator_policy_plans_every_query_interval_from_group_means(monkeyp
     assert result.seconds < sim.fixed(s, TAIL, 1).seconds
 
 
-def test_kv_capacity_queues_requests():
+def test_kv_capacity_queues_and_preempts_requests():
     # One TP1 replica that holds one sequence at a time: the two run one after the other, each with its prefill.
     one_slot = scenario([10, 4], world=1, max_batch=1, tp_sizes=(1,))
     assert sim.fixed(one_slot, COSTS, 1).seconds == pytest.approx(0.00216 + 9 * 0.010 + 0.00216 + 3 * 0.010)
+    # A KV cache of 40 tokens: both prompts fit (16 + 16), 17 + 17 after their prefill; 3 steps later it is full
+    # (40), so the newer one is preempted with 4 tokens. The older one alone: 6 more steps. Then the newer one is
+    # re-prefilled (16 + 4 tokens) and generates its 6 others.
+    small = Measured(COSTS.costs, 1000, kv_tokens=40)
+    s = scenario([10, 10], world=1, tp_sizes=(1,))
+    expected = (0.002 + 32e-5 + 3 * 0.012) + 6 * 0.010 + (0.002 + 20e-5 + 6 * 0.010)
+    assert sim.fixed(s, small, 1).seconds == pytest.approx(expected)
+    assert sim.fixed(s, COSTS, 1).seconds == pytest.approx(0.00232 + 9 * 0.012)  # negative control: no limit
     # The roofline's KV capacity: memory less the weight shard, over the KV bytes per rank and token.
     shape = ModelShape("toy", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=100)
-    gpu = GPU("toy", memory_bytes=shape.params * 2 + 2 * 26 * shape.kv_bytes_per_token(), hbm_bytes_per_s=1e12,
+    gpu = GPU("toy", memory_bytes=shape.params * 2 + 52 * shape.kv_bytes_per_token(), hbm_bytes_per_s=1e12,
               bf16_flops=1e15, link_bytes_per_s=1e11, link_latency_s=1e-5, source="test")
     costs = Roofline(gpu, shape, Efficiency(memory_reserve=0.0))
-    assert costs.kv_capacity(1) == 2 * 26  # two sequences of 16 + 10 tokens
-    s = sim.Scenario((10, 10, 10), PROMPT, 10, 1, 8, (1,), (10,))
-    pod = sim.Pod(s, costs, (1,))
+    assert costs.kv_capacity(1) == 52 and costs.kv_capacity(2) > 2 * 52  # a TP2 rank holds half of each token
+    pod = sim.Pod(sim.Scenario((10, 10, 10), PROMPT, 10, 1, 8, (1,), (10,)), costs, (1,))
     assert [len(g.running) for g in pod.groups.values()] == [2] and [len(g.queue) for g in pod.groups.values()] == [1]
 
 

@@ -262,6 +262,8 @@ class Roofline:
 class Measured:
     costs: EngineCosts
     kv_bytes_per_token: int  # of the model that was profiled, at the engine's dtype
+    kv_tokens: float = math.inf  # KV tokens a TP=1 group holds (a TP=t group t times as many); the engine's own
+    # cache has max_batch slots of max_seq, so that there only the batch limit counts
 
     def __post_init__(self):
         object.__setattr__(self, "_profile", Profile(self.costs.decode))
@@ -281,7 +283,7 @@ class Measured:
         return self.costs.link_latency_s + nbytes / self.costs.link_bytes_per_s
 
     def kv_capacity(self, tp: int) -> float:
-        return math.inf  # the engine allocates max_batch slots of max_seq: only the batch limit counts
+        return self.kv_tokens * tp
 
     def engine_costs(self, tp_sizes: Sequence[int], batches: Sequence[int]) -> EngineCosts:
         return self.costs  # measured already

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -31,10 +31,12 @@ from .hardware import StepCosts
 # As the pod's coordinator (workers/pat_workers/generator/coordinator.py) runs the planner.
 REGROUP_FIXED_SECONDS = 0.005
 PLAN_SPACING = 20
+KV_WATERMARK = 0.99  # of the KV cache that admissions may fill (vLLM keeps 1% free)
+MAX_STEPS = 1 << 62  # a chunk's room when the KV cache never fills
 ORACLE_EVERY_FINISH_BELOW = 64  # the oracle re-decides at every finish once this few are left, else every n/64-th
 
 
-Seq = tuple[int, int, int]  # (id, prompt tokens, response length) of a request
+Seq = tuple[int, int, int, int]  # (id, prompt tokens, response length, generated so far) of a queued request
 Running = tuple[int, int, int, int]  # (the group step at which it finishes, id, prompt tokens, response length)
 
 
@@ -74,6 +76,7 @@ class _Group:
     running: list[Running]
     queue: deque[Seq]
     steps: int = 0  # decode steps this group has run
+    room: int = 0  # steps of this chunk before its KV cache is full
     held: int = 0  # sum of (prompt + length - finishes_at) over running: context = held + len(running) * steps
     start: float = 0.0  # the current chunk's start (a step boundary, or the end of a regroup)
     prefill: float = 0.0  # seconds its first step spends prefilling admitted requests
@@ -86,8 +89,8 @@ class _Group:
 
     @property
     def end_steps(self) -> int:
-        """Steps of this chunk until its next finish."""
-        return self.running[0][0] - self.steps
+        """Steps of this chunk until its next finish, or until its KV cache is full."""
+        return min(self.running[0][0] - self.steps, self.room)
 
     @property
     def end(self) -> float:
@@ -117,7 +120,7 @@ class _Group:
         for finishes_at, _, prompt, length in self.running:
             generated = length - (finishes_at - self.steps - k)
             out.append((prompt + generated, generated))
-        return out + [(0, 0)] * len(self.queue)
+        return out + [(0, generated) for *_, generated in self.queue]
 
     def context(self) -> int:
         return self.held + len(self.running) * self.steps
@@ -132,6 +135,16 @@ class _Group:
             self.held -= prompt + length - finishes_at
             finished += 1
         return t, finished
+
+    def preempt_newest(self) -> None:
+        """Back to the queue's front, its KV freed (re-prefilled when admitted again), as vLLM preempts."""
+        newest = max(range(len(self.running)), key=lambda i: self.running[i][1])
+        finishes_at, i, prompt, length = self.running[newest]
+        self.running[newest] = self.running[-1]
+        self.running.pop()
+        heapify(self.running)
+        self.held -= prompt + length - finishes_at
+        self.queue.appendleft((i, prompt, length, length - (finishes_at - self.steps)))
 
     def take(self, requests: list[Running], steps: int) -> None:
         """Requests of another group, whose step count was `steps`."""
@@ -150,7 +163,7 @@ class Pod:
     def __init__(self, scenario: Scenario, costs: StepCosts, layout: Sequence[int]):
         self.s, self.costs = scenario, costs
         self.layout: Layout = tuple(layout)
-        seqs = [(i, scenario.prompt_tokens, max(n, 1)) for i, n in enumerate(scenario.lengths)]
+        seqs = [(i, scenario.prompt_tokens, max(n, 1), 0) for i, n in enumerate(scenario.lengths)]
         placed = planner.spread(seqs, groups(self.layout))
         self.groups = {g: _Group(g, [], deque(placed[g])) for g in groups(self.layout)}
         self.unfinished = len(seqs)
@@ -164,21 +177,29 @@ class Pod:
 
     # -- a group's chunks --------------------------------------------------------------------------------
     def _admit_and_start(self, g: _Group, at: float) -> None:
-        reserve = self.s.prompt_tokens + self.s.max_tokens
+        """Paged KV, as vLLM and SGLang: a queued request is admitted while its context fits beside the running
+        ones' (a 1% watermark kept free); when the running ones outgrow the cache, the newest is preempted."""
         capacity = self.costs.kv_capacity(g.tp)
+        while g.running and g.context() + len(g.running) > capacity:
+            g.preempt_newest()
         admitted: list[int] = []
-        while g.queue and len(g.running) < self.s.max_batch * g.tp and (len(g.running) + 1) * reserve <= capacity:
-            i, prompt, length = g.queue.popleft()
-            admitted.append(prompt)
-            g.take([(max(length - 1, 1), i, prompt, length)], 0)  # its prefill samples its first token
-        if g.queue and not g.running:
-            raise ValueError(f"a TP={g.tp} group cannot hold one sequence of {reserve} tokens (KV capacity "
-                             f"{capacity:.0f} tokens); lower the response cap or use a larger GPU")
+        while g.queue and len(g.running) < self.s.max_batch * g.tp:
+            i, prompt, length, generated = g.queue[0]
+            if g.context() + len(g.running) + prompt + generated + 1 > KV_WATERMARK * capacity:
+                if not g.running:
+                    raise ValueError(f"a TP={g.tp} group cannot hold one sequence of {prompt + generated} tokens "
+                                     f"(KV capacity {capacity:.0f} tokens); lower the cap or use a larger GPU")
+                break
+            g.queue.popleft()
+            admitted.append(prompt + generated)
+            # A new request's prefill samples its first token; a preempted one's recomputes what it had.
+            g.take([(max(length - max(generated, 1), 1), i, prompt, length)], 0)
         g.start, g.prefill = at, self.costs.prefill_seconds(g.tp, admitted) if admitted else 0.0
         if g.running:
             base, per_context = self.costs.decode(g.tp, len(g.running))
             g.alpha = base + per_context * g.context()
             g.beta = per_context * len(g.running)
+            g.room = MAX_STEPS if math.isinf(capacity) else int(capacity - g.context()) // len(g.running)
 
     def _advance(self, g: _Group, k: int) -> float:
         """Ends g's chunk after k steps (k <= end_steps); returns that boundary's time."""
