@@ -29,6 +29,12 @@ from .layout import Group, Layout, groups, uniform, validate
 Request = tuple[int, int]  # (context_tokens, generated_tokens) of one unfinished request
 Item = TypeVar("Item")  # what spread() places: requests, or the simulator's sequences
 
+# What a regroup costs besides moving requests: two barriers, one exchange of request state and a KV cache
+# allocation. RegroupReport.seconds["total"] of a regroup with nothing to move is 1-3 ms on a 2-core CPU over
+# shared memory; 5 ms is on the safe side there and for NCCL.
+REGROUP_FIXED_SECONDS = 0.005
+PLAN_SPACING = 20  # a pod plans at least this many plans' durations apart (its CPU is the ranks')
+
 
 class LengthPredictor:
     """Empirical survival of response lengths (generated tokens) from earlier batches; a prior before any.

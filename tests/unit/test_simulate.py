@@ -46,7 +46,7 @@ def test_the_pod_merges_when_one_request_is_left():
     assert (old, new) == ((1, 1), (2,)) and at >= shorts_done  # no merge before the short ones finished
     # The regroup: the fixed cost plus moving the long request's KV (context x 1000 B at 1 GB/s; cheaper than
     # re-prefilling it at TP2, 0.001 s + 1e-5 s per token), after at most one step of waiting for the barrier.
-    move = sim.REGROUP_FIXED_SECONDS + (PROMPT + 200) * 1000 / 1e9
+    move = planner.REGROUP_FIXED_SECONDS + (PROMPT + 200) * 1000 / 1e9
     assert move - 1e-4 < took < move + 0.010
     assert result.seconds < min(sim.fixed(s, TAIL, tp).seconds for tp in (1, 2))
     # Negative control: a margin the gain never beats keeps the TP1 replicas throughout: fixed TP1 exactly.

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pat_operator import layout as layouts
-from pat_operator.planner import Controller, Decision, LengthPredictor, Profile, RegroupCosts
+from pat_operator.planner import (PLAN_SPACING, REGROUP_FIXED_SECONDS, Controller, Decision, LengthPredictor,
+                                  Profile, RegroupCosts)
 from pat_operator.podapi import (BatchStatus, Completion, GroupState, PodState, RegroupAck, RegroupPlan,
                                  RolloutBatch, RolloutRequest, WeightUpdate)
 
@@ -42,11 +43,6 @@ IDLE_POLL_SECONDS = 0.02  # the longest the thread waits for a rank event before
 STATE_PERIOD_SECONDS = 0.05  # during a batch, `state` is republished at most this often (and at every command)
 KEPT_BATCHES = 8  # finished batches whose completions stay fetchable
 LENGTH_HISTORY = 4096  # response lengths of earlier batches the planner's length predictor learns from
-# What a regroup costs besides moving requests: two barriers, one exchange of request state and a KV cache
-# allocation. RegroupReport.seconds["total"] of a regroup with nothing to move is 1-3 ms on a 2-core CPU over
-# shared memory; 5 ms is on the safe side there and for NCCL.
-REGROUP_FIXED_SECONDS = 0.005
-PLAN_SPACING = 20  # at least this many plans' durations between two plans
 
 
 class PodError(Exception):

@@ -37,6 +37,7 @@ class Preset:
 
 PRESETS = {"paper-llama8b": Preset("llama-3.1-8b", 8192), "paper-qwen14b": Preset("qwen3-14b", 16384)}
 TRAINER_GPUS = 8  # a preset's trainer: one pod of 8 GPUs of the generator's type
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -44,7 +45,8 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("job", nargs="?", help="an RLHFJob YAML (its generator, algorithm and adaptiveTP settings)")
     ap.add_argument("--preset", help=f"instead of a job: one of {', '.join(PRESETS)}")
-    ap.add_argument("--hardware", help=f"a GPU ({', '.join(GPUS)}; default H200) or a JSON profile: one the engine "
+    ap.add_argument("--hardware", help=f"a GPU ({', '.join(GPUS)}; default: the job's {GPU_PRODUCT_LABEL} node "
+                                       f"selector, else H200) or a JSON profile: one the engine "
                                        f"measured (Costs.to_json, e.g. bench/sim_vs_real.py --save-profile) or a GPU's "
                                        f"numbers")
     ap.add_argument("--model", help=f"a built-in model shape ({', '.join(SHAPES)}) instead of the job's model")
@@ -129,7 +131,7 @@ def _from_job(args: argparse.Namespace):
     else:
         raise SimError(f"model.path={spec.model.path!r} is not read by the simulator; pass --model-config "
                        f"{spec.model.path}/config.json, or --model with one of {', '.join(SHAPES)}")
-    costs = hardware(args.hardware or "H200", shape)
+    costs = hardware(args.hardware or _gpu_of(gen.node_selector), shape)
     cap = args.cap or alg.max_response_tokens
     prompt_tokens = args.prompt_tokens or min(256, gen.max_seq - alg.max_response_tokens)
     # The trainer sends all G samples of a prompt to one pod, prompts round-robin: the first pod gets the most.
@@ -146,6 +148,12 @@ def _from_job(args: argparse.Namespace):
              "adaptive_tp_enabled": adaptive.enabled}
     trainer_gpus = max(spec.trainer.replicas * spec.trainer.gpus_per_pod, 1)
     return scenario, shape, costs, trainer_gpus, f"planner ({adaptive.controller})", about
+
+
+def _gpu_of(node_selector: dict[str, str]) -> str:
+    """The built-in GPU a job's generator nodes are selected for (GPU feature discovery's product label), else H200."""
+    product = node_selector.get(GPU_PRODUCT_LABEL, "")
+    return next((name for name in GPUS if name.split("-")[0] in product), "H200")
 
 
 def _shape(args: argparse.Namespace, default: ModelShape | None) -> ModelShape:

@@ -1,10 +1,10 @@
 """A discrete-event simulation of one generator pod through one synchronous rollout batch, under a TP policy.
 
 Each TP group decodes on its own clock with continuous batching: it holds at most max_batch * tp sequences and
-as many as its KV capacity allows (each reserves prompt + max_tokens, as the engine's slots do); queued ones are
-admitted (and prefilled, in that step) as others finish. Between two of its finishes a group's batch is
-constant and its step time linear in the context (StepCosts), so the loop jumps from event to event: a group's
-next finish, a planner call, a regroup's barrier. A regroup waits for the groups it merges to end their step,
+as many as its paged KV cache has room for; queued ones are admitted (and prefilled, in that step) as others
+finish, and when the running ones outgrow the cache the newest is preempted. Between two of its finishes a
+group's batch is constant and its step time linear in the context (StepCosts), so the loop jumps from event to
+event: a group's next finish or full cache, a planner call, a regroup's barrier. A regroup waits for the groups it merges to end their step,
 moves each running request's KV or recomputes it (the cheaper), and the other groups keep decoding meanwhile.
 
 Policies: fixed layouts; the planner as the pod runs it (Controller.start_batch at the boundary, then due() and
@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from heapq import heapify, heappop, heappush
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from heapq import heapify, heappop, heappush
 
 from pat_operator import metric_names, planner
 from pat_operator.autoscaler import decide as operator_decide
 from pat_operator.layout import Group, Layout, groups, uniform
+from pat_operator.planner import PLAN_SPACING, REGROUP_FIXED_SECONDS
 from pat_operator.prometheus import PodMetrics, group_requests, histogram_lengths
 
 from .hardware import StepCosts
 
-# As the pod's coordinator (workers/pat_workers/generator/coordinator.py) runs the planner.
-REGROUP_FIXED_SECONDS = 0.005
-PLAN_SPACING = 20
 KV_WATERMARK = 0.99  # of the KV cache that admissions may fill (vLLM keeps 1% free)
 MAX_STEPS = 1 << 62  # a chunk's room when the KV cache never fills
 ORACLE_EVERY_FINISH_BELOW = 64  # the oracle re-decides at every finish once this few are left, else every n/64-th
