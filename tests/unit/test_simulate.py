@@ -180,3 +180,15 @@ def test_the_engines_costs_round_trip_through_json():
     costs = Measured(EngineCosts.from_json(d, "test"), kv_bytes_per_token=1)
     assert costs.decode(1, 2) == (pytest.approx(0.02 + 0.01 / 3), 0.0)  # interpolated through planner.Profile
     assert costs.prefill_seconds(1, [100]) == pytest.approx(0.02) and costs.kv_capacity(1) == math.inf
+
+
+def test_lengths_from_a_file_or_an_earlier_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "rollouts").mkdir(parents=True)
+    (run / "rollouts" / "iter-0001.json").write_text(json.dumps([{"id": "0.0", "tokens": [1] * 300},
+                                                                 {"id": "0.1", "tokens": [1] * 20}]))
+    (tmp_path / "lengths.json").write_text(json.dumps([300, 20]))
+    for source in (run, tmp_path / "lengths.json"):
+        code, out, _ = run_pat(["--preset", "paper-llama8b", "--lengths", str(source), "--out", str(tmp_path)], capsys)
+        result = json.loads(out.strip().splitlines()[-1])
+        assert code == 0 and result["responses"] == 2 and result["mean_response_tokens"] == 160

@@ -11,10 +11,11 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pat_operator.api import RLHFJob, load_job
 
-from .hardware import GPUS, SHAPES, ModelShape, Roofline, SimError, hardware, read_shape, tiny_shape
+from .hardware import GPUS, SHAPES, ModelShape, Roofline, SimError, StepCosts, hardware, read_shape, tiny_shape
 from .lengths import deepscaler_lengths, read_lengths
 from .report import Trainer, compare, plots, summary, table
 from .simulate import Scenario
@@ -33,6 +34,17 @@ class Preset:
     samples: int = 8
     prompt_tokens: int = 256
     max_batch: int = 256  # sequences per TP=1 replica: high, so that the KV capacity is what limits a group
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What one `pat simulate` compares: the batch on one pod, its costs, the trainer and the planner that counts."""
+    scenario: Scenario
+    shape: ModelShape
+    costs: StepCosts
+    trainer_gpus: int
+    planner: str  # the policy the reductions are of: the job's controller
+    about: dict[str, Any]  # for the JSON: what was simulated
 
 
 PRESETS = {"paper-llama8b": Preset("llama-3.1-8b", 8192), "paper-qwen14b": Preset("qwen3-14b", 16384)}
@@ -74,14 +86,12 @@ def main(argv: list[str]) -> int:
     if not 0 < args.trainer_mfu <= 1 or args.plan_seconds < 0:
         raise SimError(f"--trainer-mfu={args.trainer_mfu} (use a fraction in (0, 1]) or --plan-seconds="
                        f"{args.plan_seconds} (use >= 0) is out of range")
-    if args.preset is not None:
-        scenario, shape, costs, trainer_gpus, controller, about = _from_preset(args)
-    else:
-        scenario, shape, costs, trainer_gpus, controller, about = _from_job(args)
+    setup = _from_preset(args) if args.preset is not None else _from_job(args)
+    scenario, shape, costs, controller = setup.scenario, setup.shape, setup.costs, setup.planner
     trainer_gpu = costs.gpu if isinstance(costs, Roofline) else GPUS["H200"]
-    trainer = Trainer(trainer_gpu, trainer_gpus, args.trainer_mfu)
+    trainer = Trainer(trainer_gpu, setup.trainer_gpus, args.trainer_mfu)
     tokens = sum(scenario.lengths) + scenario.prompt_tokens * len(scenario.lengths)
-    train_seconds = trainer.seconds(shape, tokens * about["generator_pods"])
+    train_seconds = trainer.seconds(shape, tokens * setup.about["generator_pods"])
 
     print(f"model: {shape.name} ({shape.params / 1e9:.2f}B parameters); costs: {costs.description}")
     print(f"batch: {len(scenario.lengths)} responses on one pod of {scenario.world} ranks, lengths mean "
@@ -93,8 +103,8 @@ def main(argv: list[str]) -> int:
     print(table(results, train_seconds))
     out = args.out or Path("runs") / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    about |= {"hardware": costs.description, "model": shape.name, "trainer": trainer.describe(),
-              "simulation_seconds": round(time.perf_counter() - started, 2)}
+    about = setup.about | {"hardware": costs.description, "model": shape.name, "trainer": trainer.describe(),
+                           "simulation_seconds": round(time.perf_counter() - started, 2)}
     result = summary(results, scenario, controller, train_seconds, about)
     result["plots"] = plots(results, train_seconds, out)
     (out / "summary.json").write_text(json.dumps(result, indent=2))
@@ -105,11 +115,11 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _from_preset(args: argparse.Namespace):
+def _from_preset(args: argparse.Namespace) -> Setup:
     preset = PRESETS.get(args.preset)
     if preset is None:
         raise SimError(f"--preset {args.preset!r} is unknown; known: {', '.join(PRESETS)}")
-    shape = _shape(args, SHAPES[preset.model])
+    shape = _shape(args) or SHAPES[preset.model]
     costs = hardware(args.hardware or preset.gpu, shape)
     cap = args.cap or preset.cap
     n = preset.prompts * preset.samples
@@ -118,17 +128,16 @@ def _from_preset(args: argparse.Namespace):
                         tuple(shape.tp_sizes(preset.world)), prior, plan_seconds=args.plan_seconds)
     about = {"preset": args.preset, "rollout_batch": f"{preset.prompts} prompts x {preset.samples} samples",
              "generator_pods": 1}
-    return scenario, shape, costs, TRAINER_GPUS, "planner (pod)", about
+    return Setup(scenario, shape, costs, TRAINER_GPUS, "planner (pod)", about)
 
 
-def _from_job(args: argparse.Namespace):
+def _from_job(args: argparse.Namespace) -> Setup:
     job: RLHFJob = load_job(args.job)
     spec, gen, alg = job.spec, job.spec.generator, job.spec.algorithm
-    if args.model or args.model_config:
-        shape = _shape(args, None)
-    elif spec.model.tiny is not None:
+    shape = _shape(args)
+    if shape is None and spec.model.tiny is not None:
         shape = tiny_shape(spec.model.tiny.preset, spec.model.tiny.family)
-    else:
+    elif shape is None:
         raise SimError(f"model.path={spec.model.path!r} is not read by the simulator; pass --model-config "
                        f"{spec.model.path}/config.json, or --model with one of {', '.join(SHAPES)}")
     costs = hardware(args.hardware or _gpu_of(gen.node_selector), shape)
@@ -147,7 +156,7 @@ def _from_job(args: argparse.Namespace):
              f"{alg.samples_per_prompt} samples per pod", "generator_pods": gen.replicas,
              "adaptive_tp_enabled": adaptive.enabled}
     trainer_gpus = max(spec.trainer.replicas * spec.trainer.gpus_per_pod, 1)
-    return scenario, shape, costs, trainer_gpus, f"planner ({adaptive.controller})", about
+    return Setup(scenario, shape, costs, trainer_gpus, f"planner ({adaptive.controller})", about)
 
 
 def _gpu_of(node_selector: dict[str, str]) -> str:
@@ -156,15 +165,13 @@ def _gpu_of(node_selector: dict[str, str]) -> str:
     return next((name for name in GPUS if name.split("-")[0] in product), "H200")
 
 
-def _shape(args: argparse.Namespace, default: ModelShape | None) -> ModelShape:
+def _shape(args: argparse.Namespace) -> ModelShape | None:
+    """The shape --model-config or --model name; None without either."""
     if args.model_config is not None:
         return read_shape(args.model_config)
-    if args.model is not None:
-        if args.model not in SHAPES:
-            raise SimError(f"--model {args.model!r} is unknown; known: {', '.join(SHAPES)} (or --model-config)")
-        return SHAPES[args.model]
-    assert default is not None
-    return default
+    if args.model is not None and args.model not in SHAPES:
+        raise SimError(f"--model {args.model!r} is unknown; known: {', '.join(SHAPES)} (or --model-config)")
+    return SHAPES[args.model] if args.model else None
 
 
 def _lengths(args: argparse.Namespace, n: int, cap: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

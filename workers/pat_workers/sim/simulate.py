@@ -237,7 +237,7 @@ class Pod:
 
     # -- what the planners see ------------------------------------------------------------------------------
     def running_lengths(self, t: float) -> dict[Group, list[planner.Request]]:
-        """As LocalGenerator.running_lengths: (context, generated) per request, (0, 0) while queued."""
+        """As LocalGenerator.running_lengths: (context, generated) per request, (0, generated) while queued."""
         return {key: g.requests(g.steps_by(t)) for key, g in self.groups.items()}
 
     # -- regroups ----------------------------------------------------------------------------------------
@@ -369,12 +369,11 @@ def operator_planner(scenario: Scenario, costs: StepCosts) -> Result:
         t_finish, g = pod.next_finish()
         if g is None:
             break
-        t_query = max(t + scenario.query_interval, last_regroup)
-        if t_finish <= t_query:
+        if t_finish <= t + scenario.query_interval:
             pod.finish_chunk(g)
             continue
-        t = t_query
-        if t - last_regroup < scenario.cooldown_seconds:
+        t += scenario.query_interval
+        if t - last_regroup < scenario.cooldown_seconds:  # in flight (t < last_regroup), or cooling down
             continue
         plans += 1
         decision = operator_decide(_pod_metrics(pod, t, epoch, lengths, inputs), inputs.tp_sizes, scenario.margin)
