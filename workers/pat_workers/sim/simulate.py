@@ -289,11 +289,9 @@ class Pod:
             min(self.costs.migrate_seconds(kv * n), self.costs.prefill_seconds(tp, [n])) for n in contexts)
 
     def run_to_end(self) -> float:
-        while True:
-            t, g = self.next_finish()
-            if g is None:
-                return self.finished_at
+        while (g := self.next_finish()[1]) is not None:
             self.finish_chunk(g)
+        return self.finished_at
 
 
 # -- the planner's inputs, as the pod derives them from its measured costs ---------------------------------
