@@ -164,6 +164,19 @@ def test_bad_input_names_the_flag_and_the_fix(argv, message, capsys):
     assert code == 2 and message in err, err
 
 
+def test_the_command_takes_a_measured_profile(tmp_path, capsys):
+    profile = {"link_bytes_per_s": 1e9, "link_latency_s": 0.0, "prefill": {t: list(ab) for t, ab in PREFILL.items()},
+               "decode": {t: row for t, row in TAIL.costs.decode.items()}, "dtype": "float32", "source": "a test"}
+    (tmp_path / "cpu.json").write_text(json.dumps(profile))
+    code, out, _ = run_pat([str(ROOT / "examples" / "local.yaml"), "--hardware", str(tmp_path / "cpu.json"),
+                            "--out", str(tmp_path)], capsys)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and result["hardware"].startswith("measured: a test")
+    # In this profile a TP2 step of the whole batch (128) costs 3x a TP1 step of half of it: replicas win.
+    times = {name: p["generation_seconds"] for name, p in result["policies"].items()}
+    assert times["fixed TP1"] < times["fixed TP2"] and result["responses"] == 128
+
+
 def test_bad_files_name_the_flag(tmp_path, capsys):
     (tmp_path / "lengths.json").write_text('{"a": 1}')
     code, _, err = run_pat(["--preset", "paper-llama8b", "--lengths", str(tmp_path / "lengths.json")], capsys)

@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
     tokens = sum(scenario.lengths) + scenario.prompt_tokens * len(scenario.lengths)
     train_seconds = trainer.seconds(shape, tokens * setup.about["generator_pods"])
 
-    print(f"model: {shape.name} ({shape.params / 1e9:.2f}B parameters); costs: {costs.description}")
+    print(f"model: {shape.name} ({shape.params / 1e6:,.0f}M parameters); costs: {costs.description}")
     print(f"batch: {len(scenario.lengths)} responses on one pod of {scenario.world} ranks, lengths mean "
           f"{sum(scenario.lengths) / len(scenario.lengths):.0f} / max {max(scenario.lengths)} (cap {scenario.max_tokens}),"
           f" prompts {scenario.prompt_tokens} tokens; KV capacity per TP=1 group {costs.kv_capacity(1):.0f} tokens")
