@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
     about = setup.about | {"hardware": costs.description, "model": shape.name, "trainer": trainer.describe(),
                            "simulation_seconds": round(time.perf_counter() - started, 2)}
     result = summary(results, scenario, controller, train_seconds, about)
-    result["plots"] = plots(results, train_seconds, out)
+    result["plots"] = plots(results, len(scenario.lengths), train_seconds, out)
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     print(f"\nsimulated, not measured: the planner ({controller}) vs the best fixed layout ({result['best_fixed']}): "
           f"generation {result['generation_reduction']:+.1%}, iteration {result['iteration_reduction']:+.1%}; "

@@ -72,17 +72,18 @@ def table(results: list[Result], train_seconds: float) -> str:
     return "\n".join(lines)
 
 
-def plots(results: list[Result], train_seconds: float, out: Path) -> list[str]:
+def plots(results: list[Result], total: int, train_seconds: float, out: Path) -> list[str]:
+    """timeline.png: unfinished requests and the largest TP group over time; latency.png: the iteration's parts."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
     for r in results:
-        times = [t for t, _, _ in r.timeline] + [r.seconds]
-        axes[0].step(times, [n for _, n, _ in r.timeline] + [0], where="post", label=r.policy)
-        axes[1].step(times, [max(layout) for _, _, layout in r.timeline] + [max(r.timeline[-1][2])], where="post",
-                     label=r.policy)
+        unfinished = r.unfinished(total)
+        axes[0].step([t for t, _ in unfinished], [n for _, n in unfinished], where="post", label=r.policy)
+        layouts = r.layouts() + [(r.seconds, r.layouts()[-1][1])]
+        axes[1].step([t for t, _ in layouts], [max(layout) for _, layout in layouts], where="post", label=r.policy)
     axes[0].set_ylabel("unfinished sequences")
     axes[0].legend(fontsize=8)
     axes[1].set_ylabel("largest TP group")

@@ -62,8 +62,20 @@ class Result:
     seconds: float  # generation time of the batch
     regroups: list[tuple[float, Layout, Layout, float]] = field(default_factory=list)  # (time, old, new, seconds)
     plans: int = 0
-    timeline: list[tuple[float, int, Layout]] = field(default_factory=list)  # (time, unfinished, layout)
+    finishes: list[tuple[float, int]] = field(default_factory=list)  # (time, requests that finished then)
     start_layout: Layout = ()
+
+    def unfinished(self, total: int) -> list[tuple[float, int]]:
+        """(time, unfinished requests) from the start, in time order."""
+        out, left = [(0.0, total)], total
+        for t, n in sorted(self.finishes):
+            left -= n
+            out.append((t, left))
+        return out
+
+    def layouts(self) -> list[tuple[float, Layout]]:
+        """(time, layout) from the start: each regroup's layout from when it is done."""
+        return [(0.0, self.start_layout)] + sorted((at + took, new) for at, _, new, took in self.regroups)
 
 
 @dataclass
@@ -168,7 +180,7 @@ class Pod:
         self.finished_at = 0.0
         self.steps_done = 0  # decode steps of all groups in finished chunks
         self.regroups: list[tuple[float, Layout, Layout, float]] = []
-        self.timeline: list[tuple[float, int, Layout]] = [(0.0, self.unfinished, self.layout)]
+        self.finishes: list[tuple[float, int]] = []
         self.observed: list[tuple[int, int, float]] = []  # (tp, batch, mean decode step seconds) per chunk
         for g in self.groups.values():
             self._admit_and_start(g, 0.0)
@@ -208,7 +220,7 @@ class Pod:
         if done:
             self.unfinished -= done
             self.finished_at = max(self.finished_at, t)
-            self.timeline.append((t, self.unfinished, self.layout))
+            self.finishes.append((t, done))
         return t
 
     def group_end(self, g: _Group) -> float:
@@ -255,7 +267,6 @@ class Pod:
         self.groups = dict(sorted(self.groups.items()))
         self.layout = target
         self.regroups.append((t, old, target, done_at - t))
-        self.timeline.append((done_at, self.unfinished, target))
         return done_at
 
     def _merged(self, ranks: Group, parts: list[_Group], t: float, advance: Callable[[_Group, int], float]) -> _Group:
@@ -318,7 +329,8 @@ def planner_inputs(scenario: Scenario, costs: StepCosts) -> PlannerInputs:
 
 def fixed(scenario: Scenario, costs: StepCosts, tp: int) -> Result:
     pod = Pod(scenario, costs, uniform(scenario.world, tp))
-    return _result(f"fixed TP{tp}", pod, pod.run_to_end(), plans=0)
+    pod.run_to_end()
+    return _result(f"fixed TP{tp}", pod, 0, pod.layout)
 
 
 def pod_planner(scenario: Scenario, costs: StepCosts) -> Result:
@@ -352,7 +364,7 @@ def pod_planner(scenario: Scenario, costs: StepCosts) -> Result:
         if decision.layout is not None:
             allowed = max(allowed, pod.regroup(decision.layout, t_plan + scenario.plan_seconds))
             controller.regrouped()
-    return _result("planner (pod)", pod, pod.finished_at, plans, start)
+    return _result("planner (pod)", pod, plans, start)
 
 
 def operator_planner(scenario: Scenario, costs: StepCosts) -> Result:
@@ -377,7 +389,7 @@ def operator_planner(scenario: Scenario, costs: StepCosts) -> Result:
         decision = operator_decide(_pod_metrics(pod, t, epoch, lengths, inputs), inputs.tp_sizes, scenario.margin)
         if decision.layout is not None:
             last_regroup, epoch = pod.regroup(decision.layout, t), epoch + 1
-    return _result("planner (operator)", pod, pod.finished_at, plans)
+    return _result("planner (operator)", pod, plans, uniform(scenario.world))
 
 
 def oracle(scenario: Scenario, costs: StepCosts) -> Result:
@@ -407,7 +419,7 @@ def _greedy(scenario: Scenario, costs: StepCosts, start: Layout) -> Result:
         best, end = _best_merge(pod, t)
         if best != pod.layout and not _later_is_better(pod, end):
             pod.regroup(best, t)
-    return _result("oracle", pod, pod.finished_at, plans, start)
+    return _result("oracle", pod, plans, start)
 
 
 def _best_merge(pod: Pod, t: float) -> tuple[Layout, float]:
@@ -435,7 +447,7 @@ def _copy(pod: Pod) -> Pod:
     twin = object.__new__(Pod)
     twin.__dict__.update(pod.__dict__)
     twin.groups = {k: g.copy() for k, g in pod.groups.items()}
-    twin.regroups, twin.timeline, twin.observed = [], [], []
+    twin.regroups, twin.finishes, twin.observed = [], [], []
     return twin
 
 
@@ -461,8 +473,8 @@ def _pod_metrics(pod: Pod, t: float, epoch: int, lengths: list[int], inputs: Pla
                       max_tokens=pod.s.max_tokens, lengths=lengths, profile=inputs.profile, costs=inputs.costs)
 
 
-def _result(name: str, pod: Pod, seconds: float, plans: int, start: Layout | None = None) -> Result:
-    return Result(name, seconds, pod.regroups, plans, pod.timeline, start or pod.timeline[0][2])
+def _result(name: str, pod: Pod, plans: int, start: Layout) -> Result:
+    return Result(name, pod.finished_at, pod.regroups, plans, pod.finishes, start)
 
 
 POLICIES: dict[str, Callable[[Scenario, StepCosts], Result]] = {
