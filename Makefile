@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test run controlplane prometheus helm bench bench-quick bench-operator bench-e2e gpu-bench clean
+.PHONY: test run controlplane prometheus helm bench bench-quick bench-operator bench-e2e bench-sim simulate gpu-bench clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 or run make PYTHON=python3"; exit 1; }
@@ -50,6 +50,14 @@ bench-operator: $(STAMP) controlplane
 # Operator-driven adaptive TP on the local control plane with a real Prometheus: adaptive vs fixed TP, side by side.
 bench-e2e: $(STAMP) controlplane prometheus
 	$(PY) bench/e2e_tail.py
+
+# The simulator against the engine on this CPU (prediction_error), and the paper's setups in simulation.
+bench-sim: $(STAMP)
+	$(PY) bench/sim_vs_real.py
+
+simulate: $(STAMP)
+	$(VENV)/bin/pat simulate --preset paper-llama8b
+	$(VENV)/bin/pat simulate --preset paper-qwen14b
 
 gpu-bench: $(STAMP)
 	$(PY) bench/gpu_decode.py

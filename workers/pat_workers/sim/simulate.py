@@ -316,8 +316,8 @@ class PlannerInputs:
 
 def planner_inputs(scenario: Scenario, costs: StepCosts) -> PlannerInputs:
     """What a pod measures at start (its profiling pass) and plans with."""
-    batches = sorted({1 << i for i in range((scenario.max_batch * scenario.world).bit_length())}
-                     | {scenario.max_batch * scenario.world})
+    capacity = scenario.max_batch * max(scenario.tp_sizes)  # as the engine's ranks profile (engine/rank.py)
+    batches = sorted({1 << i for i in range(capacity.bit_length())} | {capacity})
     measured = costs.engine_costs(list(scenario.tp_sizes), batches)
     tp_sizes = [t for t in scenario.tp_sizes if t in measured.decode]
     return PlannerInputs(planner.Profile({t: measured.decode[t] for t in tp_sizes}),
