@@ -88,7 +88,8 @@ def main() -> int:
         "predicted_seconds": {k: round(r.seconds, 3) for k, r in predicted.items()},
         "measured_seconds": {k: round(r.seconds, 3) for k, r in measured.items()},
         "relative_error": {k: round(e, 4) for k, e in errors.items()},
-        "regroups": {"predicted": [[describe(o), describe(n), round(t, 3)] for t, o, n, _ in predicted["adaptive"].regroups],
+        "regroups": {"predicted": [[describe(o), describe(n), round(t, 3)]
+                                   for t, o, n, _ in predicted["adaptive"].regroups],
                      "measured": [[describe(r.old), describe(r.new), round(r.time, 3)]
                                   for r in measured["adaptive"].regroups]},
         "batch": len(lengths), "cap": max(lengths), "world": args.world, "preset": args.preset,

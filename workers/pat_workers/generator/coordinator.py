@@ -241,8 +241,9 @@ class Coordinator:
         measured = self.gen.costs
         self.profile = self._offline_profile or Profile(measured.decode)
         cfg = self.gen.config
-        self.costs = RegroupCosts.measured(REGROUP_FIXED_SECONDS, cfg.kv_bytes_per_token(_itemsize(self.config.options)),
-                                           measured.link_bytes_per_s, measured.prefill)
+        kv_bytes_per_token = cfg.kv_bytes_per_token(_itemsize(self.config.options))
+        self.costs = RegroupCosts.measured(REGROUP_FIXED_SECONDS, kv_bytes_per_token, measured.link_bytes_per_s,
+                                           measured.prefill)
         self._export_costs()
         if self.config.controller != "pod":
             return

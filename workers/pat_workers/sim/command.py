@@ -94,9 +94,10 @@ def main(argv: list[str]) -> int:
     train_seconds = trainer.seconds(shape, tokens * setup.about["generator_pods"])
 
     print(f"model: {shape.name} ({shape.params / 1e6:,.0f}M parameters); costs: {costs.description}")
-    print(f"batch: {len(scenario.lengths)} responses on one pod of {scenario.world} ranks, lengths mean "
-          f"{sum(scenario.lengths) / len(scenario.lengths):.0f} / max {max(scenario.lengths)} (cap {scenario.max_tokens}),"
-          f" prompts {scenario.prompt_tokens} tokens; KV capacity per TP=1 group {costs.kv_capacity(1):.0f} tokens")
+    lengths = scenario.lengths
+    print(f"batch: {len(lengths)} responses on one pod of {scenario.world} ranks, lengths mean "
+          f"{sum(lengths) / len(lengths):.0f} / max {max(lengths)} (cap {scenario.max_tokens}), prompts "
+          f"{scenario.prompt_tokens} tokens; KV capacity per TP=1 group {costs.kv_capacity(1):.0f} tokens")
     print(f"training: {train_seconds:.2f} s, {trainer.describe()}\n", flush=True)
     started = time.perf_counter()
     results = compare(scenario, costs)

@@ -192,8 +192,8 @@ class Roofline:
     def __post_init__(self):
         object.__setattr__(self, "kv_bytes_per_token", self.shape.kv_bytes_per_token())
         if self.kv_capacity(1) <= 0:
-            raise SimError(f"{self.shape.name} ({self.shape.params / 1e9:.1f}B parameters, bf16) leaves no room for a KV "
-                           f"cache on one {self.gpu.name}; use a GPU with more memory")
+            raise SimError(f"{self.shape.name} ({self.shape.params / 1e9:.1f}B parameters, bf16) leaves no room for a "
+                           f"KV cache on one {self.gpu.name}; use a GPU with more memory")
 
     @property
     def description(self) -> str:
@@ -262,18 +262,20 @@ class Roofline:
 class Measured:
     costs: EngineCosts
     kv_bytes_per_token: int  # of the model that was profiled, at the engine's dtype
-    kv_tokens: float = math.inf  # KV tokens a TP=1 group holds (a TP=t group t times as many); the engine's own
-    # cache has max_batch slots of max_seq, so that there only the batch limit counts
+    # KV tokens a TP=1 group holds (a TP=t group t times as many). The engine's own cache is max_batch slots of
+    # max_seq tokens, so that for it only the batch limit counts.
+    kv_tokens: float = math.inf
+    profile: Profile = field(init=False, repr=False, compare=False)  # the decode table, interpolated
 
     def __post_init__(self):
-        object.__setattr__(self, "_profile", Profile(self.costs.decode))
+        object.__setattr__(self, "profile", Profile(self.costs.decode))
 
     @property
     def description(self) -> str:
         return f"measured: {self.costs.source} (decode TP sizes {sorted(self.costs.decode)})"
 
     def decode(self, tp: int, batch: int) -> tuple[float, float]:
-        return self._profile.step_seconds(tp, batch), 0.0  # measured at one context: no context term
+        return self.profile.step_seconds(tp, batch), 0.0  # measured at one context: no context term
 
     def prefill_seconds(self, tp: int, contexts: Sequence[int]) -> float:
         a, b = self.costs.prefill[tp]
@@ -300,8 +302,8 @@ def read_hardware(path: Path, shape: ModelShape) -> StepCosts:
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise SimError(f"--hardware {path}: {e}; give a JSON file (Costs.to_json, or a GPU: {list(GPU.__annotations__)})"
-                       ) from None
+        raise SimError(f"--hardware {path}: {e}; give a JSON file (Costs.to_json, or a GPU: "
+                       f"{list(GPU.__annotations__)})") from None
     if isinstance(d, dict) and "decode" in d:
         element_size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(d.get("dtype", "bfloat16"), 2)
         return Measured(EngineCosts.from_json(d, f"--hardware {path}"), shape.kv_bytes_per_token(element_size))

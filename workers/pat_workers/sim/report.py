@@ -32,7 +32,8 @@ class Trainer:
 
 def compare(scenario: Scenario, costs: StepCosts) -> list[Result]:
     """Every fixed TP size, then the planner as the pod and as the operator run it, then the oracle."""
-    return [fixed(scenario, costs, tp) for tp in scenario.tp_sizes] + [run(scenario, costs) for run in POLICIES.values()]
+    return [fixed(scenario, costs, tp) for tp in scenario.tp_sizes] + [policy(scenario, costs)
+                                                                        for policy in POLICIES.values()]
 
 
 def summary(results: list[Result], scenario: Scenario, planner_policy: str, train_seconds: float,

@@ -4,8 +4,9 @@ Each TP group decodes on its own clock with continuous batching: it holds at mos
 as many as its paged KV cache has room for; queued ones are admitted (and prefilled, in that step) as others
 finish, and when the running ones outgrow the cache the newest is preempted. Between two of its finishes a
 group's batch is constant and its step time linear in the context (StepCosts), so the loop jumps from event to
-event: a group's next finish or full cache, a planner call, a regroup's barrier. A regroup waits for the groups it merges to end their step,
-moves each running request's KV or recomputes it (the cheaper), and the other groups keep decoding meanwhile.
+event: a group's next finish or full cache, a planner call, a regroup's barrier. A regroup waits for the groups
+it merges to end their step, moves each running request's KV or recomputes it (the cheaper), and the other
+groups keep decoding meanwhile.
 
 Policies: fixed layouts; the planner as the pod runs it (Controller.start_batch at the boundary, then due() and
 decide() at step boundaries, no sooner than PLAN_SPACING plan durations apart, cooldown in steps); the planner
