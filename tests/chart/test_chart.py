@@ -198,7 +198,10 @@ def test_helm_install_runs_the_operator_and_every_dashboard_panel_has_data(clust
         operator_log = lambda: cluster.kubelet.log(system, pod.metadata.name, "operator")[-4000:]  # noqa: E731
 
         doc = job_doc("charted")
-        doc["spec"]["algorithm"].update(iterations=20, promptsPerIteration=4, samplesPerPrompt=4, maxResponseTokens=24)
+        # Long enough (~2 iterations a second here) that the checks below run while it does: a finished pod's
+        # series go stale in Prometheus at once, and the panels' instant queries would find nothing.
+        doc["spec"]["algorithm"].update(iterations=100, promptsPerIteration=4, samplesPerPrompt=4,
+                                        maxResponseTokens=24)
         doc["spec"]["reward"]["overlongBuffer"] = 4
         doc["spec"]["generator"].update(maxBatch=16, maxSeq=64)
         doc["spec"]["generator"]["adaptiveTP"]["controller"] = "operator"  # the operator queries Prometheus
@@ -222,7 +225,8 @@ def test_helm_install_runs_the_operator_and_every_dashboard_panel_has_data(clust
         for title, expr in annotation_queries(ROOT / "dashboards" / "rlhf-job.json", namespace=namespace,
                                               job="charted"):
             prometheus.query(expr)  # valid PromQL (a regroup may or may not have happened)
-        jobs.wait("charted", phase("Succeeded"), "Succeeded", timeout=180, explain=operator_log)
+        assert jobs.get("charted")["status"]["phase"] == "Running", "the job ended before the checks: lengthen it"
+        jobs.wait("charted", phase("Succeeded"), "Succeeded", timeout=300, explain=operator_log)
         jobs.delete("charted")  # while the operator runs: it removes its finalizer
         _wait_gone(jobs, "charted")
     finally:
