@@ -354,6 +354,9 @@ class ProcessKubelet:
         python = Path(os.path.realpath(sys.executable))
         self._hidden_dirs = sorted({str(d) for p in (python, self.bin_dir) for d in p.parents
                                     if not os.stat(d).st_mode & stat.S_IXOTH}, key=len)
+        # What the pods' commands run from (the venv and the project of an editable install): a pod's volume
+        # mounted over them (its emptyDir at /tmp over a checkout in /tmp) must not hide them.
+        self._host_dirs = sorted({sys.prefix, str(self.bin_dir), str(Path(__file__).resolve().parents[2])}, key=len)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -944,7 +947,7 @@ class ProcessKubelet:
             "argv": [expand(a, c.env) for a in spec.get("command", []) + spec.get("args", [])],
             "workdir": spec.get("workingDir"), "uid": uid, "gid": c.identity[1], "groups": groups,
             "hostname": pod_spec.get("hostname") or run.name,
-            "traversable": self._hidden_dirs if uid else [],
+            "traversable": self._hidden_dirs if uid else [], "host": self._host_dirs,
             "mounts": mounts, "readonly_root": bool(security.get("readOnlyRootFilesystem")),
         }
 

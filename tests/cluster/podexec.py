@@ -5,7 +5,9 @@
 Standard library only and no site import, so it starts in ~25 ms. SPEC_JSON keys:
   argv, workdir, uid, gid, groups   the command and the identity to run it as (uid None: stay root)
   errfd                             a pipe: a failure is written there, a successful exec closes it
-  and either, for a new container:  hostname, traversable [dir], mounts [{source, target, readonly}], readonly_root
+  and either, for a new container:  hostname, traversable [dir], mounts [{source, target, readonly}], readonly_root,
+                                    host [dir]: what the commands run from (the venv, the project), kept visible
+                                    where a volume is mounted over them (an emptyDir at /tmp over a checkout there)
   or, to run in a running one:      join_pid
 """
 
@@ -76,6 +78,7 @@ def new_container(spec: dict) -> None:
     _check(libc.sethostname(name, len(name)), "sethostname")
     # Every source is opened before anything is mounted: a volume at /tmp would hide the kubelet's dir there.
     sources = [os.open(m["source"], os.O_PATH) for m in spec["mounts"]]
+    host = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in spec.get("host", [])]
     for path in spec["traversable"]:
         make_traversable(path)
     for m, fd in zip(spec["mounts"], sources):
@@ -89,6 +92,15 @@ def new_container(spec: dict) -> None:
         os.close(fd)
         if m["readonly"]:
             mount(None, target, MS_REMOUNT | MS_BIND | MS_RDONLY)
+    for path, fd in host:  # outermost first: binding a directory brings the ones below it back too
+        try:
+            hidden = not os.path.samestat(os.stat(path), os.fstat(fd))
+        except FileNotFoundError:
+            hidden = True
+        if hidden:
+            os.makedirs(path, exist_ok=True)
+            mount(f"/proc/self/fd/{fd}", path, MS_BIND | MS_REC, name=path)
+        os.close(fd)
     if spec["workdir"]:
         os.makedirs(spec["workdir"], exist_ok=True)  # as container runtimes do; before / may turn read-only
     if spec["readonly_root"]:

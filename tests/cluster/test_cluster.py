@@ -6,6 +6,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import kubernetes
 import pytest
@@ -420,6 +421,24 @@ def test_run_as_user_fs_group_and_read_only_root(cluster: Cluster, core, namespa
     assert cluster.kubelet.log(namespace, "user", "main").split("\n") == [
         "1000 1000 True 1000 2000", "errno 30", "tmp ok", ""]
     assert not os.path.exists("/pat-test-readonly-root")
+
+
+def test_a_volume_over_the_checkout_leaves_the_project_runnable(cluster: Cluster, core, namespace: str):
+    """Pods mount an emptyDir at /tmp: with the checkout (and its venv) in /tmp, that volume would hide them from
+    the pods' commands, which run from the host's venv here (an image holds them on a real node)."""
+    repo = Path(__file__).resolve().parents[2]
+    over = repo.parent if repo.parent != Path("/") else repo  # never a volume over /
+    script = f"import os, pat_operator; print(pat_operator.__file__); s = os.stat({str(over)!r}); print(s.st_ino)"
+    pod = pod_manifest("covered", ["python", "-c", script], securityContext={"runAsUser": 1000},
+                       volumes=[{"name": "cover", "emptyDir": {}}],
+                       container={"volumeMounts": [{"name": "cover", "mountPath": str(over)}]})
+    create_pods(core, namespace, pod)
+    ended = wait_ended(cluster, core, namespace, "covered")
+    assert ended["status"]["phase"] == "Succeeded", logs_of(cluster, namespace, "covered")
+    module, inode = cluster.kubelet.log(namespace, "covered", "main").splitlines()
+    assert module.startswith(str(repo / "operator"))
+    if over != repo:  # the pod saw the volume there, not the host's folder: the checkout was brought back into it
+        assert int(inode) != os.stat(over).st_ino
 
 
 # ---- process lifecycle -----------------------------------------------------------------------------------------
