@@ -75,10 +75,16 @@ def main() -> int:
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
 
     errors = {name: predicted[name].seconds / measured[name].seconds - 1 for name in predicted}
-    # Where an error comes from: the decode steps the runs took against the profile measured at start.
-    steps = {f"tp{tp} batch {batch}": [round(1e3 * costs.decode(tp, batch)[0], 1), round(1e3 * sum(s) / len(s), 1)]
-             for (tp, batch), s in sorted(decode_steps(measured.values()).items())}
-    print("decode step ms, profiled at start vs taken in the runs: "
+    # Where an error comes from: the decode steps the runs took against what the profile measured at start predicts
+    # for their batch and context.
+    def predicted_step(s) -> float:
+        base, per_context = costs.decode(len(s.group), s.batch)
+        return base + per_context * s.context
+
+    steps = {f"tp{tp} batch {batch}": [round(1e3 * sum(map(predicted_step, ss)) / len(ss), 1),
+                                       round(1e3 * sum(s.seconds for s in ss) / len(ss), 1)]
+             for (tp, batch), ss in sorted(decode_steps(measured.values()).items())}
+    print("decode step ms, predicted from the profile measured at start vs taken in the runs: "
           + ", ".join(f"{k}: {a} vs {b}" for k, (a, b) in steps.items()))
     print(f"\n{'policy':10s} {'predicted s':>11s} {'measured s':>10s} {'error':>7s}")
     for name in predicted:

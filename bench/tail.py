@@ -72,7 +72,7 @@ class Planned:
                 self.steps[rank] += 1
             self.controller.step()  # a step of any group counts toward the cooldown
         if step.batch and not step.prefill_tokens:
-            self.profile.observe(len(step.group), step.batch, step.seconds)
+            self.profile.observe(len(step.group), step.batch, step.seconds, step.context)
 
     def __call__(self, g: LocalGenerator) -> Layout | None:
         loads = g.loads()
@@ -101,7 +101,7 @@ def model_and_options(preset: str, seed: int, model_dir: Path | None, lengths: l
 def planner_inputs(gen: LocalGenerator, lengths: list[int], min_gain: float
                    ) -> tuple[planner.Profile, planner.LengthPredictor, planner.RegroupCosts, Layout]:
     """The planner's inputs from the ranks' measured costs, and the layout it starts the batch in."""
-    profile = planner.Profile(gen.costs.decode)  # refined online by every planned run
+    profile = planner.Profile.measured(gen.costs)  # refined online by every planned run
     # The batch's own lengths stand in for earlier iterations' (RLHF length distributions drift slowly).
     predictor = planner.LengthPredictor(max(lengths))
     predictor.observe(lengths)
@@ -114,13 +114,13 @@ def planner_inputs(gen: LocalGenerator, lengths: list[int], min_gain: float
     return profile, predictor, costs, first
 
 
-def decode_steps(results: Iterable[RunResult]) -> dict[tuple[int, int], list[float]]:
-    """Seconds of the decode steps (no prefill in them) by (TP, batch rounded down to a power of two)."""
-    by_shape: dict[tuple[int, int], list[float]] = defaultdict(list)
+def decode_steps(results: Iterable[RunResult]) -> dict[tuple[int, int], list[StepRecord]]:
+    """The decode steps (no prefill in them) by (TP, batch rounded down to a power of two)."""
+    by_shape: dict[tuple[int, int], list[StepRecord]] = defaultdict(list)
     for r in results:
         for s in r.steps:
             if s.batch and not s.prefill_tokens:
-                by_shape[(len(s.group), 2 ** int(math.log2(s.batch)))].append(s.seconds)
+                by_shape[(len(s.group), 2 ** int(math.log2(s.batch)))].append(s)
     return by_shape
 
 
@@ -194,7 +194,8 @@ def main() -> int:
     print("tp \\ batch " + "".join(f"{b:>8d}" for b in buckets))
     for t in sorted({t for t, _ in by_shape}):
         cells = [by_shape.get((t, b)) for b in buckets]
-        print(f"{t:<11d}" + "".join(f"{1e3 * sum(c) / len(c):8.1f}" if c else f"{'-':>8s}" for c in cells))
+        print(f"{t:<11d}" + "".join(f"{1e3 * sum(s.seconds for s in c) / len(c):8.1f}" if c else f"{'-':>8s}"
+                                    for c in cells))
     modes: dict[str, list[float]] = defaultdict(list)
     for rec in (rec for name in ("adaptive", "tail-only") for rec in results[name].regroups):
         print(f"\nregroup at {rec.time:.2f} s: {rec.old} -> {rec.new}")

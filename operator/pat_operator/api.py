@@ -258,8 +258,9 @@ class AdaptiveTP(_Model):
                                                            "the next plan")
     migration: Literal["auto", "kv", "recompute"] = Field("auto", description="how unfinished requests move: "
                                                           "auto picks per request from measured costs")
-    profile: str | None = Field(None, description="an offline T(tp, batch) profile (JSON) in the pod; default: "
-                                                  "measured by each pod at start")
+    profile: str | None = Field(None, description="an offline T(tp, batch, context) profile (JSON, as "
+                                                  "Profile.to_json writes it) in the pod; default: measured by each "
+                                                  "pod at start")
     prometheus: Prometheus = Field(Prometheus(), description="controller operator: where the metrics come from")
 
 

@@ -26,6 +26,8 @@ GENERATOR_BATCH_OPEN = "pat_generator_batch_open"  # 1 while a rollout batch is 
 GENERATOR_BATCH_MAX_TOKENS = "pat_generator_batch_max_tokens"  # the open batch's response length cap
 GENERATOR_RESPONSE_TOKENS = "pat_generator_response_tokens"  # histogram: finished responses' lengths
 GENERATOR_PROFILE_STEP_SECONDS = "pat_generator_profile_step_seconds"  # labels tp, batch: T(tp, batch), refined
+GENERATOR_PROFILE_CONTEXT = "pat_generator_profile_context_tokens"  # ... measured at this context per sequence
+GENERATOR_PROFILE_KV_SECONDS = "pat_generator_profile_kv_seconds"  # label tp: step seconds per KV token beyond it
 GENERATOR_REGROUP_COST = "pat_generator_regroup_cost"  # label term: fixed_seconds | kv_seconds_per_token
 GENERATOR_PREFILL_COST = "pat_generator_prefill_cost"  # labels tp, term: seconds | seconds_per_token
 

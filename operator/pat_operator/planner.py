@@ -2,8 +2,9 @@
 
 The model. A response still running after g generated tokens is still running k steps later with probability
 survival(g, k) (LengthPredictor: the lengths of earlier batches). A TP group of size t expects
-n(k) = sum of its requests' survivals at its k-th next decode step, which takes T(t, n(k)) seconds (Profile), so
-its remaining time is sum_k T(t, n(k)); the pod is done when its slowest group is. A regroup costs a fixed
+n(k) = sum of its requests' survivals at its k-th next decode step, holding c(k) = the same sum weighted by each
+one's KV tokens then; that step takes T(t, n(k), c(k)) seconds (Profile), so its remaining time is
+sum_k T(t, n(k), c(k)); the pod is done when its slowest group is. A regroup costs a fixed
 barrier plus resharding the requests it touches (RegroupCosts). plan() regroups when the predicted gain beats
 that cost by a margin; Controller adds a cooldown around it.
 
@@ -22,11 +23,12 @@ from dataclasses import dataclass
 from functools import cache
 from itertools import accumulate, product
 from operator import mul
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from .layout import Group, Layout, groups, uniform, validate
 
 Request = tuple[int, int]  # (context_tokens, generated_tokens) of one unfinished request
+Runs = tuple[tuple[float, ...], float]  # per segment of future steps the requests running; KV tokens held in all
 Item = TypeVar("Item")  # what spread() places: requests, or the simulator's sequences
 
 # What a regroup costs besides moving requests: two barriers, one exchange of request state and a KV cache
@@ -71,21 +73,28 @@ class LengthPredictor:
 
     def expected_remaining(self, generated: int) -> float:
         """E[remaining tokens | still running after `generated`]; 0 at max_tokens."""
-        return self.running_sums({generated: 1}, self.max_tokens + 1, 1)[0]
+        return self.running_sums({generated: (1, 0)}, self.max_tokens + 1, 1)[0][0]
 
-    def running_sums(self, load: Mapping[int, int], width: int, segments: int) -> list[float]:
-        """For requests still running (load: generated tokens -> how many), per segment of `width` decode steps
-        from now (`segments` of them): the expected number of them running, summed over the segment's steps."""
-        rows, weights = [], []
-        for generated, count in load.items():
+    def running_sums(self, load: Mapping[int, tuple[int, int]], width: int,
+                     segments: int) -> tuple[list[float], float]:
+        """For requests still running (load: generated tokens -> (how many, their prompt tokens in all)): per
+        segment of `width` decode steps from now (`segments` of them) the expected number of them running, summed
+        over the segment's steps; and the expected KV tokens they hold (prompt + generated), summed over every
+        step until the cap."""
+        rows, weights, held = [], [], 0.0
+        end = len(self._summed_above) - 1
+        for generated, (count, prompt_tokens) in load.items():
             g = self._index(generated)
             if self._above[g]:  # at max_tokens nothing can still run
                 row = self._summed_above[g:g + width * segments + 1:width]
-                rows.append(row + [self._summed_above[-1]] * (segments + 1 - len(row)))  # none run past the cap
+                rows.append(row + [self._summed_above[end]] * (segments + 1 - len(row)))  # none run past the cap
                 weights.append(count / self._above[g])
+                # at x generated tokens a request holds prompt + x: the sum over x of (prompt + x) P(running at x)
+                held += (prompt_tokens * (self._summed_above[end] - self._summed_above[g])
+                         + count * (self._summed_x_above[end] - self._summed_x_above[g])) / self._above[g]
         # Column-wise in C (map, sum): a pod of 512 requests with distinct lengths so far stays within a few ms.
         summed = [sum(map(mul, weights, column)) for column in zip(*rows)] or [0.0] * (segments + 1)
-        return [hi - lo for lo, hi in zip(summed, summed[1:])]
+        return [hi - lo for lo, hi in zip(summed, summed[1:])], held
 
     def _index(self, generated: int) -> int:
         if generated < 0:
@@ -110,19 +119,38 @@ class LengthPredictor:
         for x in range(m, -1, -1):
             self._above[x] = m * longer + m - x
             longer += ended_at[x]
-        # x -> sum of _above[y] for y < x; floats (exact below 2**53) multiply faster than large ints
+        # x -> sum of _above[y] (and of y * _above[y]) for y < x; floats multiply faster than large ints
         self._summed_above = [float(a) for a in accumulate(self._above, initial=0)]
+        self._summed_x_above = [float(a) for a in accumulate((x * a for x, a in enumerate(self._above)), initial=0)]
+
+
+class MeasuredDecode(Protocol):
+    decode: Mapping[int, Mapping[int, float]]  # tp -> batch -> seconds per step at decode_context per sequence
+    kv_seconds: Mapping[int, float]  # tp -> seconds per step per KV token beyond that
+    decode_context: int
 
 
 class Profile:
-    """T(tp, batch): seconds per decode step of a TP group, measured at start and refined online."""
+    """T(tp, batch, context): seconds per decode step of a TP group whose batch holds `context` KV tokens in all.
+
+    A table over batch sizes measured at `decode_context` tokens per sequence, plus kv_seconds[tp] per KV token
+    held beyond that (or less per token short of it): attention reads every one, so that a step of a long tail
+    costs more than the table says. Measured at start, refined online.
+    """
 
     REFINE_WEIGHT = 0.1  # one observation moves a point by this fraction of its relative error ...
     REFINE_MAX_RATIO = 2.0  # ... an error counted as at most 2x (or 1/2x): one outlier moves it <= 10%
 
-    def __init__(self, measured: Mapping[int, Mapping[int, float]]):
+    def __init__(self, measured: Mapping[int, Mapping[int, float]], kv_seconds: Mapping[int, float] | None = None,
+                 decode_context: int = 0):
         if not measured:
             raise ValueError("profile: no TP size measured; give tp -> batch -> seconds for at least one TP")
+        kv_seconds = {int(tp): float(s) for tp, s in (kv_seconds or {}).items()}
+        if decode_context < 0 or any(s < 0 for s in kv_seconds.values()):
+            raise ValueError(f"profile: decode_context={decode_context}, kv_seconds={kv_seconds}; use 0 or more "
+                             f"tokens per sequence and seconds per KV token")
+        self.decode_context = int(decode_context)
+        self.kv_seconds = {tp: kv_seconds.get(tp, 0.0) for tp in map(int, measured)}  # none measured: no term
         self._batches: dict[int, list[int]] = {}
         self._seconds: dict[int, list[float]] = {}
         self._pieces: dict[int, list[tuple[float, float]]] = {}  # tp -> per batch interval: (intercept, slope)
@@ -135,27 +163,40 @@ class Profile:
             self._seconds[int(tp)] = [s for _, s in points]
             self._fit(int(tp))
 
+    @classmethod
+    def measured(cls, costs: MeasuredDecode) -> Profile:
+        """From what the engine's profiling pass measured (engine.costs.Costs, the simulator's EngineCosts)."""
+        return cls(costs.decode, costs.kv_seconds, costs.decode_context)
+
     @property
     def tp_sizes(self) -> list[int]:
         return sorted(self._batches)
 
-    def step_seconds(self, tp: int, batch: float) -> float:
-        """Interpolated linearly between measured batch sizes; 0 at batch 0, extrapolated above."""
+    def step_seconds(self, tp: int, batch: float, context: float | None = None) -> float:
+        """Interpolated linearly between measured batch sizes (0 at batch 0, extrapolated above), plus the KV term
+        for `context` tokens in all (None: decode_context per sequence, as measured)."""
         if tp not in self._pieces:
             raise ValueError(f"profile has no TP={tp}; measured: {self.tp_sizes}. Profile that TP size or "
                              f"leave it out of tp_sizes")
         if batch <= 0:
             return 0.0
         intercept, slope = self._pieces[tp][bisect_left(self._batches[tp], batch)]
-        return intercept + slope * batch
+        seconds = intercept + slope * batch
+        return max(seconds + self.context_seconds(tp, batch, context), 0.0) if context is not None else seconds
 
-    def observe(self, tp: int, batch: int, seconds: float) -> None:
-        """A measured decode step: the nearest measured batch size (the smaller on ties) moves toward it by
-        REFINE_WEIGHT of the relative error, an EMA of the ratio observed / predicted."""
+    def context_seconds(self, tp: int, batch: float, context: float) -> float:
+        """The KV term: what `context` tokens in all add to a step of `batch` sequences beyond the measured context
+        (negative when they hold less). Linear: for steps summed, the sums' term."""
+        return self.kv_seconds[tp] * (context - batch * self.decode_context)
+
+    def observe(self, tp: int, batch: int, seconds: float, context: float | None = None) -> None:
+        """A measured decode step (holding `context` KV tokens, if known): the nearest measured batch size (the
+        smaller on ties) moves toward it by REFINE_WEIGHT of the relative error, an EMA of the ratio observed /
+        predicted."""
         if batch < 1 or seconds <= 0:
             raise ValueError(f"observed step TP={tp} batch={batch} seconds={seconds}: a decode step has "
                              f"batch >= 1 and seconds > 0")
-        ratio = seconds / self.step_seconds(tp, batch)
+        ratio = seconds / max(self.step_seconds(tp, batch, context), 1e-12)
         ratio = min(max(ratio, 1 / self.REFINE_MAX_RATIO), self.REFINE_MAX_RATIO)
         bs = self._batches[tp]
         nearest = min(range(len(bs)), key=lambda i: (abs(bs[i] - batch), bs[i]))
@@ -171,16 +212,24 @@ class Profile:
         slopes.append(max(slopes[-1], 0.0))
         self._pieces[tp] = [(0.0, slopes[0])] + [(t - slope * b, slope) for b, t, slope in zip(bs, ts, slopes[1:])]
 
-    def to_json(self) -> dict[str, dict[str, float]]:
-        return {str(tp): {str(b): s for b, s in zip(self._batches[tp], self._seconds[tp])} for tp in self.tp_sizes}
+    def to_json(self) -> dict:
+        """The fields of the engine's measured costs (engine.costs.Costs.to_json) that a profile is made of."""
+        return {"decode": {str(tp): {str(b): s for b, s in zip(self._batches[tp], self._seconds[tp])}
+                           for tp in self.tp_sizes},
+                "decode_context": self.decode_context,
+                "kv_seconds": {str(tp): s for tp, s in self.kv_seconds.items()}}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Mapping[str, float]]) -> Profile:
+    def from_json(cls, d: Mapping) -> Profile:
+        """Profile.to_json's output, or the engine's whole cost profile (Costs.to_json)."""
         try:
-            measured = {int(tp): {int(b): float(s) for b, s in row.items()} for tp, row in d.items()}
-        except (AttributeError, TypeError, ValueError) as e:
-            raise ValueError(f"profile JSON: expected {{tp: {{batch: seconds}}}} with integer keys ({e})") from None
-        return cls(measured)
+            measured = {int(tp): {int(b): float(s) for b, s in row.items()} for tp, row in d["decode"].items()}
+            kv_seconds = {int(tp): float(s) for tp, s in d.get("kv_seconds", {}).items()}
+            return cls(measured, kv_seconds, int(d.get("decode_context", 0)))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"profile JSON: expected {{\"decode\": {{tp: {{batch: seconds}}}}, \"decode_context\": "
+                             f"tokens, \"kv_seconds\": {{tp: seconds}}}} with integer keys ({type(e).__name__}: "
+                             f"{e})") from None
 
 
 @dataclass(frozen=True)
@@ -234,7 +283,8 @@ def plan(layout: Sequence[int], running: Mapping[Group, Sequence[Request]], prof
     batch is about to be submitted, nothing is cached (generated 0); every valid layout is a candidate, the
     current one included, with all the requests spread over its groups as the pod submits them (whatever
     group they are keyed by), and a change costs fixed_seconds only. The horizon of future decode steps is cut
-    into at most `segments` segments, each costed at its mean expected batch (exact with one step each).
+    into at most `segments` segments, each costed at its mean expected batch and KV held (exact with one step
+    each).
     """
     layout = validate(layout, sum(layout))
     current = groups(layout)
@@ -253,21 +303,28 @@ def plan(layout: Sequence[int], running: Mapping[Group, Sequence[Request]], prof
                          "with at_boundary=False during a batch)")
 
     # Future decode steps in at most `segments` segments of equal width (the last may run past max_tokens,
-    # where nothing runs), each costed at its mean expected batch.
+    # where nothing runs), each costed at its mean expected batch and KV held.
     steps = predictor.max_tokens - min(min(generated for _, generated in everyone), predictor.max_tokens)
     width = max(1, -(-steps // segments))
     used = -(-steps // width)
 
-    @cache  # per group load (generated -> requests); a load recurs across candidates
-    def expected_running(load: frozenset[tuple[int, int]]) -> tuple[float, ...]:  # per segment: sum of n(k)
-        return tuple(predictor.running_sums(dict(load), width, used))
+    @cache  # per group load (generated -> requests, prompt tokens); a load recurs across candidates
+    def expected_running(load: frozenset[tuple[int, tuple[int, int]]]) -> Runs:
+        running, held = predictor.running_sums(dict(load), width, used)
+        return tuple(running), held
 
     @cache
-    def group_seconds(tp: int, runs: tuple[float, ...]) -> float:
-        return width * sum(profile.step_seconds(tp, n / width) for n in runs)
+    def group_seconds(tp: int, runs: Runs) -> float:
+        running, held = runs  # the KV term is linear in the context: summed over all the steps at once
+        return (width * sum(profile.step_seconds(tp, n / width) for n in running)
+                + profile.context_seconds(tp, sum(running), held))
 
-    def load(requests: Sequence[Request]) -> frozenset[tuple[int, int]]:
-        return frozenset(Counter(generated for _, generated in requests).items())
+    def load(requests: Sequence[Request]) -> frozenset[tuple[int, tuple[int, int]]]:
+        per: dict[int, tuple[int, int]] = {}
+        for context, generated in requests:
+            count, prompts = per.get(generated, (0, 0))
+            per[generated] = (count + 1, prompts + max(context - generated, 0))  # waiting ones hold no KV yet
+        return frozenset(per.items())
 
     allowed = [t for t in tp_sizes if t in profile.tp_sizes]
     if at_boundary:
@@ -278,7 +335,7 @@ def plan(layout: Sequence[int], running: Mapping[Group, Sequence[Request]], prof
         merges = coarsenings(layout, allowed)
         members = {g: [h for h in current if set(h) <= set(g)] for o in merges for g in groups(o)}
         parts = {h: expected_running(load(placed[h])) for h in current}
-        merged = {g: tuple(map(sum, zip(*(parts[h] for h in hs)))) for g, hs in members.items()}  # n(k) adds up
+        merged = {g: _added(parts[h] for h in hs) for g, hs in members.items()}  # n(k) and the KV held add up
         loads = {o: {g: merged[g] for g in groups(o)} for o in merges}
         # Every request a merged group takes in reshards into it; the regions of a merge regroup concurrently.
         reshard = {g: costs.fixed_seconds + sum(costs.request_seconds(len(g), context)
@@ -387,6 +444,11 @@ def spread(requests: Sequence[Item], to: Sequence[Group]) -> dict[Group, list[It
     for r, (_, i) in zip(requests, slots):
         placed[to[i]].append(r)
     return placed
+
+
+def _added(runs: Iterable[Runs]) -> Runs:
+    running, held = zip(*runs)
+    return tuple(map(sum, zip(*running))), sum(held)
 
 
 def _changed_ranks(old: Layout, new: Layout) -> int:

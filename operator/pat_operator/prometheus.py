@@ -24,7 +24,8 @@ INPUTS = (names.GENERATOR_TP_SIZE, names.GENERATOR_REQUESTS_RUNNING, names.GENER
           names.GENERATOR_RUNNING_CONTEXT_TOKENS, names.GENERATOR_RUNNING_GENERATED_TOKENS,
           names.GENERATOR_LAYOUT_EPOCH, names.GENERATOR_BATCH_OPEN, names.GENERATOR_BATCH_MAX_TOKENS,
           names.GENERATOR_RESPONSE_TOKENS + "_bucket", names.GENERATOR_PROFILE_STEP_SECONDS,
-          names.GENERATOR_REGROUP_COST, names.GENERATOR_PREFILL_COST)
+          names.GENERATOR_PROFILE_CONTEXT, names.GENERATOR_PROFILE_KV_SECONDS, names.GENERATOR_REGROUP_COST,
+          names.GENERATOR_PREFILL_COST)
 PRIOR_LENGTHS = 4096  # at most this many earlier response lengths feed the length predictor
 
 
@@ -131,7 +132,8 @@ def _parse(samples: list[tuple[dict, float]]) -> PodMetrics:
         batch_open=one(names.GENERATOR_BATCH_OPEN) > 0, max_tokens=max_tokens,
         lengths=histogram_lengths([(math.inf if labels["le"] == "+Inf" else float(labels["le"]), value)
                                    for labels, value in per[names.GENERATOR_RESPONSE_TOKENS + "_bucket"]], max_tokens),
-        profile=Profile(profile),
+        profile=Profile(profile, {int(labels["tp"]): value for labels, value in per[names.GENERATOR_PROFILE_KV_SECONDS]},
+                        int(one(names.GENERATOR_PROFILE_CONTEXT))),
         costs=RegroupCosts(cost["fixed_seconds"], cost["kv_seconds_per_token"],
                            {tp: (t["seconds"], t["seconds_per_token"]) for tp, t in prefill.items()}))
 

@@ -145,7 +145,7 @@ def test_adaptive_tp_on_and_off_greedy_give_identical_tokens(tmp_path):
     # faster at every batch size makes the pod regroup at the batch boundary, whatever this machine measures:
     # the adaptive run then generates at TP=2 what the fixed run generates at TP=1.
     profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps({"1": {"1": 0.004, "64": 0.012}, "2": {"1": 0.002, "64": 0.006}}))
+    profile.write_text(json.dumps({"decode": {"1": {"1": 0.004, "64": 0.012}, "2": {"1": 0.002, "64": 0.006}}}))
     job = write_job(tmp_path, "greedy", **{"algorithm.iterations": 2, "algorithm.temperature": 0,
                                            "algorithm.promptsPerIteration": 8,
                                            "generator.adaptiveTP.profile": str(profile),

@@ -31,8 +31,8 @@ MAX_BATCH, MAX_SEQ = 8, 512
 MODEL_SEED = 1
 # An offline profile in which TP=2 is 10x faster than TP=1 for one sequence and much slower for many: the pod
 # should start a batch at 2 x TP1 and merge into TP2 once a single sequence is left.
-TAIL_PROFILE = {"1": {"1": 0.02, "2": 0.021, "4": 0.022, "8": 0.024, "16": 0.03},
-                "2": {"1": 0.002, "2": 0.02, "4": 0.08, "8": 0.3, "16": 1.0}}
+TAIL_PROFILE = {"decode": {"1": {"1": 0.02, "2": 0.021, "4": 0.022, "8": 0.024, "16": 0.03},
+                           "2": {"1": 0.002, "2": 0.02, "4": 0.08, "8": 0.3, "16": 1.0}}}  # no context term
 
 
 class Pod:

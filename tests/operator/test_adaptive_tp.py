@@ -86,6 +86,9 @@ def test_a_rank_dying_in_an_operator_regroup_fails_the_plan_and_the_gang_restart
     doc = tail_job("dies", data_dir, LONG, prometheus_url=prometheus.url)
     doc["spec"]["runPolicy"]["backoffLimit"] = 1
     doc["spec"]["generator"]["env"] = [{"name": "PAT_FAILPOINTS", "value": "regroup.transfer@1"}]
+    # Any predicted gain merges: the test is of the failure, not of the planner's judgement (with the 10% margin,
+    # a noisy profile measured on this busy host once kept the operator from planning at all).
+    doc["spec"]["generator"]["adaptiveTP"]["minGain"] = 0.0
     job = _run(jobs, cluster, doc, ends="Failed")
     assert job["status"]["restarts"] == 1
     assert next(c for c in job["status"]["conditions"] if c["type"] == "Failed")["reason"] == "BackoffLimitExceeded"

@@ -26,6 +26,7 @@ TAIL_METRICS = "\n".join([
     f"{names.GENERATOR_BATCHES}_total 0", f'{names.GENERATOR_RESPONSE_TOKENS}_bucket{{le="+Inf"}} 0',
     *(f'{names.GENERATOR_PROFILE_STEP_SECONDS}{{tp="{tp}",batch="{b}"}} {s}'
       for tp, b, s in ((1, 1, 0.04), (1, 8, 0.08), (2, 1, 0.024), (2, 8, 0.05))),
+    f"{names.GENERATOR_PROFILE_CONTEXT} 64", *(f'{names.GENERATOR_PROFILE_KV_SECONDS}{{tp="{tp}"}} 0' for tp in (1, 2)),
     f'{names.GENERATOR_REGROUP_COST}{{term="fixed_seconds"}} 0.005',
     f'{names.GENERATOR_REGROUP_COST}{{term="kv_seconds_per_token"}} 1e-6',
     *(f'{names.GENERATOR_PREFILL_COST}{{tp="{tp}",term="{t}"}} {v}'

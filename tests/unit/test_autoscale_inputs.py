@@ -18,6 +18,7 @@ def pod_series(pod="job-generator-0", running=(1, 1), generated=(300, 300), batc
     out = [sample(names.GENERATOR_LAYOUT_EPOCH, 3, pod), sample(names.GENERATOR_BATCH_OPEN, batch_open, pod),
            sample(names.GENERATOR_BATCH_MAX_TOKENS, 512, pod), sample(names.GENERATOR_BATCHES + "_total", 2, pod),
            sample(names.GENERATOR_REGROUP_COST, 0.005, pod, term="fixed_seconds"),
+           sample(names.GENERATOR_PROFILE_CONTEXT, 64, pod),
            sample(names.GENERATOR_REGROUP_COST, 1e-6, pod, term="kv_seconds_per_token")]
     for g, n, gen in zip(("0-0", "1-1"), running, generated):
         out += [sample(names.GENERATOR_TP_SIZE, 1, pod, group=g), sample(names.GENERATOR_REQUESTS_RUNNING, n, pod, group=g),
@@ -26,6 +27,7 @@ def pod_series(pod="job-generator-0", running=(1, 1), generated=(300, 300), batc
                 sample(names.GENERATOR_RUNNING_GENERATED_TOKENS, n * gen, pod, group=g)]
     for tp, seconds in ((1, 0.02), (2, 0.011)):
         out += [sample(names.GENERATOR_PROFILE_STEP_SECONDS, seconds, pod, tp=str(tp), batch=str(b)) for b in (1, 8)]
+        out.append(sample(names.GENERATOR_PROFILE_KV_SECONDS, 2e-6 / tp, pod, tp=str(tp)))
         out += [sample(names.GENERATOR_PREFILL_COST, 0.01, pod, tp=str(tp), term="seconds"),
                 sample(names.GENERATOR_PREFILL_COST, 1e-4, pod, tp=str(tp), term="seconds_per_token")]
     for le, count in (("64", 10), ("128", 30), ("512", 32), ("+Inf", 32)):  # 10 <= 64, 20 in (64, 128], 2 long
@@ -45,6 +47,7 @@ def test_metrics_become_the_planners_inputs():
     assert m.running == {(0,): [(316, 300), (316, 300)], (1,): [(316, 300)]}  # per-group means
     assert sorted(set(m.lengths)) == [64, 128, 512] and len(m.lengths) == 32
     assert m.profile.step_seconds(2, 1) == pytest.approx(0.011)
+    assert m.profile.step_seconds(2, 1, context=64 + 1000) == pytest.approx(0.011 + 1e-3)  # the KV term
     assert m.costs.request_seconds(2, 100) == pytest.approx(1e-4)  # KV moves (1e-4 s) beat a re-prefill
 
 

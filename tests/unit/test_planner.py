@@ -108,12 +108,42 @@ def test_profile_observe_moves_toward_observations_but_bounded():
 
 
 def test_profile_json_round_trip():
-    p = Profile({2: {8: 0.04, 1: 0.025}, 1: {1: 0.04}})
+    p = Profile({2: {8: 0.04, 1: 0.025}, 1: {1: 0.04}}, kv_seconds={2: 1e-6}, decode_context=64)
     text = json.dumps(p.to_json())
-    assert json.loads(text) == {"1": {"1": 0.04}, "2": {"1": 0.025, "8": 0.04}}
+    assert json.loads(text) == {"decode": {"1": {"1": 0.04}, "2": {"1": 0.025, "8": 0.04}}, "decode_context": 64,
+                                "kv_seconds": {"1": 0.0, "2": 1e-6}}
     assert Profile.from_json(json.loads(text)).to_json() == p.to_json()
     with pytest.raises(ValueError, match="integer keys"):
-        Profile.from_json({"two": {"1": 0.1}})
+        Profile.from_json({"decode": {"two": {"1": 0.1}}})
+    with pytest.raises(ValueError, match="KeyError"):
+        Profile.from_json({"1": {"1": 0.1}})  # a bare table: say what is expected
+    with pytest.raises(ValueError, match="kv_seconds"):
+        Profile({1: {1: 0.1}}, kv_seconds={1: -1e-6})
+
+
+def test_profile_context_term():
+    # Measured at 64 tokens per sequence; each KV token beyond costs 2 ms more per step, each one short 2 ms less.
+    p = Profile({1: {1: 0.1, 8: 0.2}}, kv_seconds={1: 0.002}, decode_context=64)
+    assert p.step_seconds(1, 8) == p.step_seconds(1, 8, 8 * 64) == pytest.approx(0.2)
+    assert p.step_seconds(1, 8, 8 * 64 + 25) == pytest.approx(0.25)
+    assert p.step_seconds(1, 1, 39) == pytest.approx(0.05)
+    assert p.step_seconds(1, 1, 0) == 0.0  # never negative
+    # A step observed at a long context is what the KV term predicts: the table stays as it is.
+    p.observe(1, 8, 0.25, context=8 * 64 + 25)
+    assert p.step_seconds(1, 8) == pytest.approx(0.2)
+    p.observe(1, 8, 0.25)  # at the measured context it is 25% slower: the point moves 2.5%
+    assert p.step_seconds(1, 8) == pytest.approx(0.205)
+
+
+def test_predictor_sums_the_kv_held_by_the_running():
+    # Uniform prior over 1..4; one fresh request with a 10-token prompt runs steps 0..3 with probability
+    # 1, .75, .5, .25, holding 10, 11, 12, 13 tokens then: expected KV held 10 + 8.25 + 6 + 3.25 = 27.5 in all.
+    p = LengthPredictor(4)
+    running, held = p.running_sums({0: (1, 10)}, width=2, segments=2)
+    assert running == pytest.approx([1.75, 0.75]) and held == pytest.approx(27.5)
+    # Two at generated 2 (prompts 10 and 20) run steps 0, 1 with probability 1, .5, holding 12 + 22, then 13 + 23.
+    running, held = p.running_sums({2: (2, 30)}, width=1, segments=3)
+    assert running == pytest.approx([2, 1, 0]) and held == pytest.approx(34 + 18)
 
 
 def test_regroup_cost_is_the_cheaper_of_moving_and_recomputing():
@@ -155,6 +185,16 @@ def test_plan_stays_when_the_gain_is_under_the_margin():
     assert_decision(decide((1, 1), TAIL, margin=0.5), None, 2.5, 1.35, 0.32, "stay: the gain is under the 50%")
     # At 40% the merge itself would pass (1.15 s > 1 s) but not once it is paid for (0.83 s).
     assert decide((1, 1), TAIL, margin=0.4).reason.startswith("stay: the regroup cost eats the gain")
+
+
+def test_the_kv_held_can_tip_a_merge():
+    # At a 40% margin TAIL stays (above). Reading KV: 0.05 s per token per step at TP1, 0.01 s at TP2 (measured at
+    # 0 tokens per sequence). Rank 0's request holds 10, 11, 12, 13 tokens with probability 1, .75, .5, .25 (27.5
+    # in all), rank 1's 12, 13 with 1, .5 (18.5): stay 2.5 + 0.05 * 27.5 = 3.875 s; merged 1.35 + 0.01 * 46 =
+    # 1.81 s, + 0.32 s regroup: a gain of 1.745 s, over 40% of 3.875 s.
+    profile = Profile(PROFILE, kv_seconds={1: 0.05, 2: 0.01, 4: 0.01}, decode_context=0)
+    d = plan((1, 1), TAIL, profile, LengthPredictor(4), COSTS, (1, 2, 4), margin=0.4)
+    assert_decision(d, (2,), 3.875, 1.81, 0.32, "merge (1, 1)->(2,)")
 
 
 def test_plan_stays_when_merging_is_slower():
@@ -222,7 +262,8 @@ def test_bucketing_agrees_with_every_step(tp_sizes, merge):
     predictor.observe([int(100 * 1.03**i) for i in range(120)])
     profile = Profile({1: {1: 0.020, 8: 0.025, 32: 0.040, 64: 0.070},
                        2: {1: 0.013, 8: 0.016, 32: 0.025, 64: 0.040, 128: 0.070},
-                       4: {1: 0.010, 8: 0.012, 32: 0.018, 64: 0.028, 128: 0.045, 256: 0.080}})
+                       4: {1: 0.010, 8: 0.012, 32: 0.018, 64: 0.028, 128: 0.045, 256: 0.080}},
+                      kv_seconds={1: 4e-6, 2: 2e-6, 4: 1e-6}, decode_context=64)
     costs = RegroupCosts(0.05, 1e-5, {t: (0.01, 1e-4) for t in (1, 2, 4)})
     running = {(0,): [(300, 150)] * 20, (1,): [(1050, 900)] * 5, (2,): [(1650, 1500)] * 2 + [(180, 30)], (3,): []}
     exact = plan((1, 1, 1, 1), running, profile, predictor, costs, tp_sizes, segments=2000)

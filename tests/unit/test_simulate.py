@@ -18,9 +18,9 @@ PROMPT = 16
 # A pair of ranks whose TP=2 group decodes faster than a TP=1 replica at every batch size.
 DECODE = {1: {1: 0.010, 2: 0.012}, 2: {1: 0.004, 2: 0.005}}
 PREFILL = {1: (0.002, 1e-5), 2: (0.001, 1e-5)}  # a + b * tokens
-COSTS = Measured(EngineCosts(1e9, 0.0, PREFILL, DECODE), kv_bytes_per_token=1000)
+COSTS = Measured(EngineCosts(1e9, 0.0, PREFILL, DECODE, {}), kv_bytes_per_token=1000)  # no context term
 # ... and one where two TP=1 replicas beat a TP=2 group at batch 8 (4 each), while TP=2 wins at batch 1: the tail.
-TAIL = Measured(EngineCosts(1e9, 0.0, PREFILL, {1: {1: 0.010, 8: 0.012}, 2: {1: 0.006, 8: 0.016}}), 1000)
+TAIL = Measured(EngineCosts(1e9, 0.0, PREFILL, {1: {1: 0.010, 8: 0.012}, 2: {1: 0.006, 8: 0.016}}, {}), 1000)
 BATCH = [200] + [20] * 7  # one long response, on replica 0 with 3 short ones
 
 
@@ -35,6 +35,14 @@ def test_two_requests_on_a_pair_fixed_tp1_and_tp2_by_hand():
     assert sim.fixed(s, COSTS, 1).seconds == pytest.approx(0.00216 + 9 * 0.010)
     # TP2: one group. Prefill of both (0.001 + 32e-5 s), 3 steps at T2(2) until the short one is done, 6 at T2(1).
     assert sim.fixed(s, COSTS, 2).seconds == pytest.approx(0.00132 + 3 * 0.005 + 6 * 0.004)
+
+
+def test_a_context_term_by_hand():
+    # The table is measured at 64 tokens per sequence; each KV token short of that makes a step 0.1 ms faster.
+    costs = Measured(EngineCosts(1e9, 0.0, PREFILL, DECODE, {1: 1e-4}, decode_context=64), kv_bytes_per_token=1000)
+    # One request of 10 tokens: prefill samples the first, then 9 steps holding 17, 18, ..., 25 KV tokens.
+    assert sim.fixed(scenario([10], world=1, tp_sizes=(1,)), costs, 1).seconds == pytest.approx(
+        0.00216 + 9 * 0.010 + 1e-4 * (sum(range(17, 26)) - 9 * 64))
 
 
 def test_the_pod_merges_when_one_request_is_left():
@@ -188,10 +196,13 @@ def test_bad_files_name_the_flag(tmp_path, capsys):
 
 def test_the_engines_costs_round_trip_through_json():
     code = ("import json; from pat_workers.engine.costs import Costs; "
-            "print(json.dumps(Costs(2e9, 1e-4, {1: (0.01, 1e-4)}, {1: {1: 0.02, 4: 0.03}}).to_json('float32', 'cpu')))")
+            "print(json.dumps(Costs(2e9, 1e-4, {1: (0.01, 1e-4)}, {1: {1: 0.02, 4: 0.03}}, {1: 1e-6})"
+            ".to_json('float32', 'cpu')))")
     d = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     costs = Measured(EngineCosts.from_json(d, "test"), kv_bytes_per_token=1)
-    assert costs.decode(1, 2) == (pytest.approx(0.02 + 0.01 / 3), 0.0)  # interpolated through planner.Profile
+    # Interpolated through planner.Profile, measured at 64 tokens per sequence: (at 0 tokens, per KV token)
+    assert costs.decode(1, 2) == (pytest.approx(0.02 + 0.01 / 3 - 2 * 64e-6), 1e-6)
+    assert planner.Profile.from_json(d).step_seconds(1, 2, 2 * 64 + 1000) == pytest.approx(0.02 + 0.01 / 3 + 1e-3)
     assert costs.prefill_seconds(1, [100]) == pytest.approx(0.02) and costs.kv_capacity(1) == math.inf
 
 

@@ -2,7 +2,9 @@
 
 Measured once at start by every rank together (all blocks of a TP size at once, so contention is as in use)
 and agreed on (max over ranks), so that every rank takes the same migrate-or-recompute decisions. The decode
-profile T(tp, batch) is what a planner needs to decide when to regroup.
+profile T(tp, batch, context) is what a planner needs to decide when to regroup: steps at DECODE_CONTEXT tokens
+per sequence for each batch size, and at the largest batch once more at LONG_CONTEXT, whose difference is the
+cost of reading one more KV token (what makes a long tail's steps slower than its batch size says).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .kv import KVCache
 from .model import Transformer
 
 PREFILL_LENGTHS = (16, 128)
+DECODE_CONTEXT, LONG_CONTEXT = 64, 512  # tokens per sequence of the profiled decode steps
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,9 @@ class Costs:
     link_bytes_per_s: float  # received per rank, all pairs exchanging at once
     link_latency_s: float  # fixed cost of one exchange
     prefill: dict[int, tuple[float, float]]  # tp -> (seconds at 0 tokens, seconds per token)
-    decode: dict[int, dict[int, float]]  # tp -> batch -> seconds per decode step
+    decode: dict[int, dict[int, float]]  # tp -> batch -> seconds per decode step at decode_context per sequence
+    kv_seconds: dict[int, float]  # tp -> seconds per decode step per KV token held beyond that
+    decode_context: int = DECODE_CONTEXT
 
     def migrate_seconds(self, nbytes: int) -> float:
         return self.link_latency_s + nbytes / self.link_bytes_per_s
@@ -43,7 +48,9 @@ class Costs:
         return {"source": source, "dtype": dtype, "link_bytes_per_s": self.link_bytes_per_s,
                 "link_latency_s": self.link_latency_s,
                 "prefill": {str(tp): list(ab) for tp, ab in self.prefill.items()},
-                "decode": {str(tp): {str(b): s for b, s in row.items()} for tp, row in self.decode.items()}}
+                "decode": {str(tp): {str(b): s for b, s in row.items()} for tp, row in self.decode.items()},
+                "decode_context": self.decode_context,
+                "kv_seconds": {str(tp): s for tp, s in self.kv_seconds.items()}}
 
 
 def _timed(fn, repeats: int, device: torch.device) -> float:
@@ -60,22 +67,23 @@ def _timed(fn, repeats: int, device: torch.device) -> float:
 
 
 def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], batches: list[int],
-            context: int = 64, repeats: int = 7) -> Costs:
+            repeats: int = 7) -> Costs:
     """Collective over the pod's ranks."""
     rank, world = pool.rank, pool.world
     device = model.device
+    long_context = max(min(LONG_CONTEXT, model.cfg.max_position_embeddings - 1), DECODE_CONTEXT + 1)
     samples: list[float] = []
     for tp in tp_sizes:
         block = next(b for b in pool.blocks(tp) if rank in b)
         comm, shard = pool.get(block), model.shard(tp, block.index(rank))
         cache = KVCache.allocate(model.cfg, max(batches), model.cfg.num_kv_heads // tp,
-                                 max(PREFILL_LENGTHS[-1], context + 1), model.dtype, device)
+                                 max(PREFILL_LENGTHS[-1], long_context + 1), model.dtype, device)
         for length in PREFILL_LENGTHS:
             k, v = cache.rows(0, 1)
             tokens = torch.zeros(1, length, dtype=torch.long, device=device)
             start = torch.zeros(1, dtype=torch.long, device=device)
             samples.append(_timed(lambda: model.forward(shard, comm, tokens, start, k, v), repeats, device))
-        for batch in batches:
+        for batch, context in [(b, DECODE_CONTEXT) for b in batches] + [(max(batches), long_context)]:
             k, v = cache.rows(0, batch)
             tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
             start = torch.full((batch,), context, dtype=torch.long, device=device)
@@ -93,13 +101,15 @@ def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], bat
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         agreed = agreed.cpu()
     values = agreed.tolist()
-    prefill, decode, i = {}, {}, 0
+    prefill, decode, kv_seconds, i = {}, {}, {}, 0
     (l0, l1) = PREFILL_LENGTHS
     for tp in tp_sizes:
         s0, s1 = values[i], values[i + 1]
         per_token = max((s1 - s0) / (l1 - l0), 1e-9)
         prefill[tp] = (max(s0 - per_token * l0, 0.0), per_token)
         decode[tp] = dict(zip(batches, values[i + 2:i + 2 + len(batches)]))
-        i += 2 + len(batches)
+        longer = values[i + 2 + len(batches)] - decode[tp][max(batches)]  # the largest batch, LONG_CONTEXT each
+        kv_seconds[tp] = max(longer, 0.0) / (max(batches) * (long_context - DECODE_CONTEXT))
+        i += 3 + len(batches)
     bandwidth, latency = -values[i], values[i + 1]
-    return Costs(bandwidth if world > 1 else float("inf"), latency, prefill, decode)
+    return Costs(bandwidth if world > 1 else float("inf"), latency, prefill, decode, kv_seconds)

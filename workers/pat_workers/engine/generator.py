@@ -44,6 +44,7 @@ class StepRecord:
     finished: int
     prefill_tokens: int
     running: list[tuple[str, int]] = field(default_factory=list)  # (id, tokens generated) still decoding after it
+    context: int = 0  # KV tokens of its batch (prompt + generated of each request, those it finished included)
 
 
 @dataclass
@@ -367,8 +368,9 @@ class LocalGenerator:
                 del self._generated[r.id], self._requests[r.id]
                 held_by = self._where.pop(r.id)
                 self._load[held_by] = max(self._load.get(held_by, 1) - 1, 0)
+        context += sum(len(r.prompt) + len(r.output) for r in finished)
         record = StepRecord(time.perf_counter() - self._t0, group, batch, waiting, seconds, tokens, len(finished),
-                            prefill_tokens, running)
+                            prefill_tokens, running, context)
         if self._run is not None:
             self._run.steps.append(record)
         return record

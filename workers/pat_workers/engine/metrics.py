@@ -58,17 +58,24 @@ class EngineMetrics:
                                          buckets=names.response_token_buckets(max_seq), registry=r)
         self.profile = Gauge(names.GENERATOR_PROFILE_STEP_SECONDS, "Decode step seconds by TP size and batch, "
                              "measured at start and refined online", ["tp", "batch"], registry=r)
+        self.profile_context = Gauge(names.GENERATOR_PROFILE_CONTEXT, "KV tokens per sequence of the profiled decode "
+                                     "steps", registry=r)
+        self.profile_kv = Gauge(names.GENERATOR_PROFILE_KV_SECONDS, "Decode step seconds per KV token held beyond "
+                                "the profiled context, by TP size", ["tp"], registry=r)
         self.regroup_cost = Gauge(names.GENERATOR_REGROUP_COST, "Regroup cost model: fixed seconds, and seconds to "
                                   "move one token's KV", ["term"], registry=r)
         self.prefill_cost = Gauge(names.GENERATOR_PREFILL_COST, "Prefill cost by TP size: seconds at 0 tokens, "
                                   "seconds per token", ["tp", "term"], registry=r)
 
-    def set_costs(self, profile: dict[str, dict[str, float]], fixed_seconds: float, kv_seconds_per_token: float,
+    def set_costs(self, profile: dict, fixed_seconds: float, kv_seconds_per_token: float,
                   prefill: dict[int, tuple[float, float]]) -> None:
         """The planner's inputs (profile as Profile.to_json writes it), so that the operator plans with them."""
-        for tp, row in profile.items():
+        for tp, row in profile["decode"].items():
             for batch, seconds in row.items():
                 self.profile.labels(tp, batch).set(seconds)
+        self.profile_context.set(profile["decode_context"])
+        for tp, seconds in profile["kv_seconds"].items():
+            self.profile_kv.labels(tp).set(seconds)
         self.regroup_cost.labels("fixed_seconds").set(fixed_seconds)
         self.regroup_cost.labels("kv_seconds_per_token").set(kv_seconds_per_token)
         for tp, (seconds, per_token) in prefill.items():

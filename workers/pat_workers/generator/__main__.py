@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=64, help="sequences per TP=1 replica")
     ap.add_argument("--max-seq", type=int, default=512, help="prompt + response tokens per sequence")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    ap.add_argument("--profile", help="offline T(tp, batch) profile JSON (Profile.to_json); default: measured")
+    ap.add_argument("--profile", help="offline T(tp, batch, context) profile JSON (Profile.to_json); default: measured")
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (default: the model directory)")
     ap.add_argument("--tp-sizes", help="comma-separated TP sizes plans may use, e.g. 1,2 (default: all)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

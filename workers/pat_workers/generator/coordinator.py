@@ -75,7 +75,7 @@ class PodConfig:
     controller: Literal["pod", "operator"] = "pod"
     margin: float = 0.1
     cooldown_steps: int = 4
-    profile: str | None = None  # an offline T(tp, batch) profile (Profile.to_json); default: measured at start
+    profile: str | None = None  # an offline T(tp, batch, context) profile (Profile.to_json); default: measured at start
     tokenizer_dir: str | None = None  # default: the model directory's tokenizer.json
     tp_sizes: tuple[int, ...] | None = None  # the TP sizes plans may use; default: all the model allows
 
@@ -239,7 +239,7 @@ class Coordinator:
         """The planner's inputs, exported as metrics too (controller=operator plans with them); and with
         controller=pod the planner itself."""
         measured = self.gen.costs
-        self.profile = self._offline_profile or Profile(measured.decode)
+        self.profile = self._offline_profile or Profile.measured(measured)
         cfg = self.gen.config
         kv_bytes_per_token = cfg.kv_bytes_per_token(_itemsize(self.config.options))
         self.costs = RegroupCosts.measured(REGROUP_FIXED_SECONDS, kv_bytes_per_token, measured.link_bytes_per_s,
@@ -258,7 +258,8 @@ class Coordinator:
     def _on_step(self, record: StepRecord) -> None:
         tp = len(record.group)
         if self.profile and record.batch and not record.prefill_tokens and tp in self.profile.tp_sizes:
-            self.profile.observe(tp, record.batch, record.seconds)  # decode steps only: prefill is costed apart
+            # decode steps only: prefill is costed apart
+            self.profile.observe(tp, record.batch, record.seconds, record.context)
         if self.controller is None or not self._generating():
             return
         self.controller.step()
@@ -472,5 +473,5 @@ def _read_profile(path: str) -> Profile:
     try:
         return Profile.from_json(json.loads(Path(path).read_text()))
     except (OSError, ValueError) as e:
-        raise ValueError(f"--profile {path}: {e}; give a JSON object {{tp: {{batch: seconds}}}} as "
-                         f"Profile.to_json writes it") from None
+        raise ValueError(f"--profile {path}: {e}; give the JSON that Profile.to_json (or the engine's Costs.to_json) "
+                         f"writes") from None

@@ -4,7 +4,8 @@
   and the KV cache of its batch from HBM (or computes, whichever is slower), and all-reduces twice per layer
   over NVLink; prefill is the same with more tokens.
 - Measured: the engine's own profiling pass (pat_workers.engine.costs.Costs, saved by Costs.to_json), e.g. of
-  this machine's CPU: the decode table interpolated through planner.Profile, prefill a + b * tokens.
+  this machine's CPU: decode steps through planner.Profile (the table over batch sizes and the KV term), prefill
+  a + b * tokens.
 
 Both also say what the engine's profiling pass would measure (engine_costs, the Costs JSON format), which is
 what the planner is given, exactly as a pod gives it its measurement.
@@ -26,7 +27,7 @@ from ..presets import PRESETS, hf_config
 
 BF16 = 2  # bytes per weight and per KV element
 PREFILL_LENGTHS = (16, 128)  # as the engine's profiling pass (engine/costs.py) measures prefill
-PROFILE_CONTEXT = 64  # ... and decode steps, at this context per sequence
+PROFILE_CONTEXT = 64  # ... and decode steps, at this context per sequence (its DECODE_CONTEXT)
 
 
 class SimError(ValueError):
@@ -143,7 +144,9 @@ class EngineCosts:
     link_bytes_per_s: float
     link_latency_s: float
     prefill: dict[int, tuple[float, float]]  # tp -> (seconds at 0 tokens, seconds per token)
-    decode: dict[int, dict[int, float]]  # tp -> batch -> seconds per decode step
+    decode: dict[int, dict[int, float]]  # tp -> batch -> seconds per decode step at decode_context per sequence
+    kv_seconds: dict[int, float]  # tp -> seconds per decode step per KV token beyond that
+    decode_context: int = PROFILE_CONTEXT
     source: str = "measured by the engine"
 
     @classmethod
@@ -152,11 +155,12 @@ class EngineCosts:
             return cls(float(d["link_bytes_per_s"]), float(d["link_latency_s"]),
                        {int(t): (float(a), float(b)) for t, (a, b) in d["prefill"].items()},
                        {int(t): {int(b): float(s) for b, s in row.items()} for t, row in d["decode"].items()},
-                       str(d.get("source", f"measured ({where})")))
+                       {int(t): float(s) for t, s in d.get("kv_seconds", {}).items()},  # none: no context term
+                       int(d.get("decode_context", PROFILE_CONTEXT)), str(d.get("source", f"measured ({where})")))
         except (KeyError, TypeError, ValueError) as e:
             raise SimError(f"{where}: not an engine cost profile ({type(e).__name__}: {e}); expected the JSON of "
                            f"Costs.to_json: link_bytes_per_s, link_latency_s, prefill {{tp: [a, b]}}, decode "
-                           f"{{tp: {{batch: seconds}}}}") from None
+                           f"{{tp: {{batch: seconds}}}}, decode_context, kv_seconds {{tp: seconds}}") from None
 
 
 class StepCosts(Protocol):
@@ -254,8 +258,10 @@ class Roofline:
             per_token = (s1 - s0) / (l1 - l0)
             prefill[tp] = (max(s0 - per_token * l0, 0.0), per_token)
         decode = {tp: {b: _step(self.decode(tp, b), b * PROFILE_CONTEXT) for b in batches} for tp in tp_sizes}
+        # Linear in the context: what the engine's two measured contexts find
+        kv_seconds = {tp: self.decode(tp, max(batches))[1] for tp in tp_sizes}
         return EngineCosts(self.gpu.link_bytes_per_s * self.efficiency.link, self.gpu.link_latency_s, prefill, decode,
-                           f"roofline of {self.gpu.name} at context {PROFILE_CONTEXT}")
+                           kv_seconds, PROFILE_CONTEXT, f"roofline of {self.gpu.name}")
 
 
 @dataclass(frozen=True)
@@ -268,14 +274,15 @@ class Measured:
     profile: Profile = field(init=False, repr=False, compare=False)  # the decode table, interpolated
 
     def __post_init__(self):
-        object.__setattr__(self, "profile", Profile(self.costs.decode))
+        object.__setattr__(self, "profile", Profile.measured(self.costs))
 
     @property
     def description(self) -> str:
         return f"measured: {self.costs.source} (decode TP sizes {sorted(self.costs.decode)})"
 
     def decode(self, tp: int, batch: int) -> tuple[float, float]:
-        return self.profile.step_seconds(tp, batch), 0.0  # measured at one context: no context term
+        p = self.profile
+        return p.step_seconds(tp, batch) - p.kv_seconds[tp] * batch * p.decode_context, p.kv_seconds[tp]
 
     def prefill_seconds(self, tp: int, contexts: Sequence[int]) -> float:
         a, b = self.costs.prefill[tp]

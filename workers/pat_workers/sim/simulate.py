@@ -182,7 +182,7 @@ class Pod:
         self.steps_done = 0  # decode steps of all groups in finished chunks
         self.regroups: list[tuple[float, Layout, Layout, float]] = []
         self.finishes: list[tuple[float, int]] = []
-        self.observed: list[tuple[int, int, float]] = []  # (tp, batch, mean decode step seconds) per chunk
+        self.observed: list[tuple[int, int, float, float]] = []  # per chunk: (tp, batch, mean step s, mean context)
         for g in self.groups.values():
             self._admit_and_start(g, 0.0)
 
@@ -215,7 +215,8 @@ class Pod:
     def _advance(self, g: _Group, k: int) -> float:
         """Ends g's chunk after k steps (k <= end_steps); returns that boundary's time."""
         if k:
-            self.observed.append((g.tp, len(g.running), g.alpha + g.beta * (k - 1) / 2))
+            self.observed.append((g.tp, len(g.running), g.alpha + g.beta * (k - 1) / 2,
+                                  g.context() + len(g.running) * (k - 1) / 2))
         t, done = g.progress(k)
         self.steps_done += k
         if done:
@@ -321,7 +322,8 @@ def planner_inputs(scenario: Scenario, costs: StepCosts) -> PlannerInputs:
     batches = sorted({1 << i for i in range(capacity.bit_length())} | {capacity})
     measured = costs.engine_costs(list(scenario.tp_sizes), batches)
     tp_sizes = [t for t in scenario.tp_sizes if t in measured.decode]
-    return PlannerInputs(planner.Profile({t: measured.decode[t] for t in tp_sizes}),
+    return PlannerInputs(planner.Profile({t: measured.decode[t] for t in tp_sizes}, measured.kv_seconds,
+                                         measured.decode_context),
                          planner.RegroupCosts.measured(scenario.regroup_fixed_seconds, costs.kv_bytes_per_token,
                                                        measured.link_bytes_per_s, measured.prefill), tp_sizes)
 
@@ -454,9 +456,9 @@ def _copy(pod: Pod) -> Pod:
 
 def _refine(profile: planner.Profile, pod: Pod) -> None:
     """The pod refines its profile from every decode step; the simulator from each chunk's mean step."""
-    for tp, batch, seconds in pod.observed:
+    for tp, batch, seconds, context in pod.observed:
         if tp in profile.tp_sizes:
-            profile.observe(tp, batch, seconds)
+            profile.observe(tp, batch, seconds, context)
     pod.observed.clear()
 
 
