@@ -1,10 +1,11 @@
 """The simulator against the engine: bench/tail.py's scenario (one long-tailed batch on 2 CPU ranks), predicted by
 `pat simulate`'s event loop from the CPU profile the engine measures at start, then run for real: fixed DP,
-fixed TP and adaptive (the planner as bench/tail.py runs it). Prints predicted vs measured generation time per
+fixed TP and adaptive (the planner as bench/tail.py runs it), each --repeats times in alternating order (this VM
+varies by 10% between identical runs; the median counts). Prints predicted vs measured generation time per
 policy and, last, one JSON line with prediction_error (the largest relative error). Not a test: it measures.
 
-  python bench/sim_vs_real.py                 # 32 sequences, cap 384 (~3 minutes on 2 cores)
-  python bench/sim_vs_real.py --quick         # 16 sequences, cap 96
+  python bench/sim_vs_real.py                 # 32 sequences, cap 384, 3 runs each (~5 minutes on 2 cores)
+  python bench/sim_vs_real.py --quick         # 16 sequences, cap 96, 1 run each
   python bench/sim_vs_real.py --save-profile cpu.json   # then: pat simulate JOB.yaml --hardware cpu.json
 """
 
@@ -12,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-import time
 from pathlib import Path
 
-from tail import (PROMPT_TOKENS, REGROUP_FIXED_SECONDS, Planned, decode_steps, model_and_options, planner_inputs,
-                  requests)
+from tail import (PROMPT_TOKENS, REGROUP_FIXED_SECONDS, decode_steps, medians, model_and_options, planner_inputs,
+                  requests, run_alternating)
 
 from pat_operator.layout import describe, uniform
 from pat_workers.engine.generator import LocalGenerator
@@ -29,7 +30,8 @@ from pat_workers.sim.simulate import Scenario, fixed, pod_planner
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="16 sequences, cap 96: about a minute")
+    ap.add_argument("--quick", action="store_true", help="16 sequences, cap 96, one run each: about a minute")
+    ap.add_argument("--repeats", type=int, default=3, help="real runs of each policy, in alternating order")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--cap", type=int, default=384, help="response length cap (tokens)")
     ap.add_argument("--world", type=int, default=2, help="ranks (CPU cores)")
@@ -39,7 +41,7 @@ def main() -> int:
     ap.add_argument("--save-profile", type=Path, help="write the measured CPU profile here (Costs.to_json)")
     args = ap.parse_args()
     if args.quick:
-        args.batch, args.cap = 16, 96
+        args.batch, args.cap, args.repeats = 16, 96, 1
     lengths = lognormal_lengths(args.batch, args.cap, args.seed)
     model_dir, _, options = model_and_options(args.preset, args.seed, None, lengths, args.world)
     print(f"model: {args.preset}, float32, {args.world} ranks x 1 thread; batch: {len(lengths)} sequences, mean "
@@ -60,19 +62,13 @@ def main() -> int:
             print(f"  predicted {name:9s} {r.seconds:7.2f} s  {describe(r.start_layout)} "
                   f"{' '.join('-> ' + describe(new) for _, _, new, _ in r.regroups)}", flush=True)
 
-        profile, predictor, planner_costs, first = planner_inputs(gen, lengths, args.min_gain)
-        measured = {}
-        for name, start, planned in (("fixed DP", uniform(args.world), False),
-                                     ("fixed TP", uniform(args.world, args.world), False),
-                                     ("adaptive", first, True)):
-            gen.regroup(start)  # at the batch boundary: nothing to move
-            policy = Planned(gen, profile, predictor, planner_costs, args.min_gain) if planned else None
-            started = time.perf_counter()
-            measured[name] = gen.run(requests(lengths, args.seed), policy=policy,
-                                     on_step=policy.on_step if policy else None)
-            print(f"  measured  {name:9s} {measured[name].seconds:7.2f} s  {describe(start)} "
-                  f"{' '.join('-> ' + describe(r.new) for r in measured[name].regroups)} "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+        *planner_args, first = planner_inputs(gen, lengths, args.min_gain)
+        print(f"measured, {args.repeats} run(s) each (the median counts):", flush=True)
+        configs = [("fixed DP", uniform(args.world), None), ("fixed TP", uniform(args.world, args.world), None),
+                   ("adaptive", first, math.inf)]
+        runs = run_alternating(gen, configs, args.repeats, lambda: requests(lengths, args.seed),
+                               (*planner_args, args.min_gain))
+    measured = medians(runs)
 
     errors = {name: predicted[name].seconds / measured[name].seconds - 1 for name in predicted}
     # Where an error comes from: the decode steps the runs took against what the profile measured at start predicts
@@ -83,7 +79,7 @@ def main() -> int:
 
     steps = {f"tp{tp} batch {batch}": [round(1e3 * sum(map(predicted_step, ss)) / len(ss), 1),
                                        round(1e3 * sum(s.seconds for s in ss) / len(ss), 1)]
-             for (tp, batch), ss in sorted(decode_steps(measured.values()).items())}
+             for (tp, batch), ss in sorted(decode_steps(r for rs in runs.values() for r in rs).items())}
     print("decode step ms, predicted from the profile measured at start vs taken in the runs: "
           + ", ".join(f"{k}: {a} vs {b}" for k, (a, b) in steps.items()))
     print(f"\n{'policy':10s} {'predicted s':>11s} {'measured s':>10s} {'error':>7s}")
@@ -99,6 +95,7 @@ def main() -> int:
                      "measured": [[describe(r.old), describe(r.new), round(r.time, 3)]
                                   for r in measured["adaptive"].regroups]},
         "batch": len(lengths), "cap": max(lengths), "world": args.world, "preset": args.preset,
+        "repeats": args.repeats,
         "decode_step_ms_profiled_vs_run": steps,
     }))
     return 0

@@ -18,11 +18,11 @@ import random
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pat_operator import planner
-from pat_operator.layout import Layout, uniform
+from pat_operator.layout import Layout, describe, uniform
 from pat_workers.engine.engine import Request
 from pat_workers.engine.generator import LocalGenerator, RunResult, StepRecord
 from pat_workers.engine.rank import EngineOptions
@@ -114,6 +114,26 @@ def planner_inputs(gen: LocalGenerator, lengths: list[int], min_gain: float
     return profile, predictor, costs, first
 
 
+def run_alternating(gen: LocalGenerator, configs: list[tuple[str, Layout, float | None]], repeats: int,
+                    batch: Callable[[], list[Request]], planner_args: tuple) -> dict[str, list[RunResult]]:
+    """Each config (name, the layout it starts in, plan once at most this many requests are left, None: never)
+    runs a fresh batch() `repeats` times, in alternating order so that drift over time favours no one."""
+    runs: dict[str, list[RunResult]] = defaultdict(list)
+    for repeat in range(repeats):
+        for name, start, tail in configs if repeat % 2 == 0 else configs[::-1]:
+            gen.regroup(start)  # at the batch boundary: no requests, nothing to move
+            policy = Planned(gen, *planner_args, tail) if tail is not None else None
+            runs[name].append(gen.run(batch(), policy=policy, on_step=policy.on_step if policy else None))
+            print(f"  {name:9s} {runs[name][-1].seconds:7.2f} s {describe(start)} "
+                  f"{' '.join('-> ' + describe(r.new) for r in runs[name][-1].regroups)}", flush=True)
+    return runs
+
+
+def medians(runs: dict[str, list[RunResult]]) -> dict[str, RunResult]:
+    """Per config, the run with the median generation time."""
+    return {name: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for name, rs in runs.items()}
+
+
 def decode_steps(results: Iterable[RunResult]) -> dict[tuple[int, int], list[StepRecord]]:
     """The decode steps (no prefill in them) by (TP, batch rounded down to a power of two)."""
     by_shape: dict[tuple[int, int], list[StepRecord]] = defaultdict(list)
@@ -170,16 +190,9 @@ def main() -> int:
         # PAT's trigger alone: act once at most a quarter of the batch is left.
         configs = [("fixed DP", dp, None), ("fixed TP", tp, None), ("adaptive", first, math.inf),
                    ("tail-only", dp, len(lengths) / 4)]
-        runs: dict[str, list[RunResult]] = defaultdict(list)
-        for repeat in range(args.repeats):  # alternate the order, so that drift over time favours no one
-            for name, start, tail in configs if repeat % 2 == 0 else configs[::-1]:
-                gen.regroup(start)  # at the batch boundary: no requests, nothing to move
-                policy = Planned(gen, profile, predictor, costs, args.min_gain, tail) if tail is not None else None
-                runs[name].append(gen.run(requests(lengths, args.seed), policy=policy,
-                                          on_step=policy.on_step if policy else None))
-                print(f"  {name:9s} {runs[name][-1].seconds:7.2f} s", flush=True)
-    # Per layout, the repeat with the median generation time (all of them when there is one).
-    results = {name: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for name, rs in runs.items()}
+        runs = run_alternating(gen, configs, args.repeats, lambda: requests(lengths, args.seed),
+                               (profile, predictor, costs, args.min_gain))
+    results = medians(runs)
     means = {name: sum(r.seconds for r in rs) / len(rs) for name, rs in runs.items()}
 
     print(f"\n{'layout':10s} {'gen s':>8s} {'mean s':>8s} {'tail s':>8s} {'regroups':>8s} {'regroup s':>9s}"
@@ -204,7 +217,6 @@ def main() -> int:
                   f"seconds {{{', '.join(f'{k}: {v:.4f}' for k, v in rep.seconds.items())}}}, sent {rep.kv_bytes} B")
             for mode, seconds in rep.seconds.items():
                 modes[mode].append(seconds)
-    adaptive = results["adaptive"]
     reference = runs["fixed DP"][0]
     summary = {
         "adaptive_over_fixed_dp": round(means["adaptive"] / means["fixed DP"], 4),
