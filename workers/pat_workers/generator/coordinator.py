@@ -198,23 +198,20 @@ class Coordinator:
                 self._on_exit()
 
     def _serve_inbox(self) -> None:
-        served = False
         while True:
             try:
                 command, args, reply = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            served = True
             try:
-                result = command(*args)
-            except BaseException as e:
+                result, error = command(*args), None
+            except PodError as e:
+                result, error = None, e
+            except BaseException as e:  # the ranks failed, or a bug: the pod must not go on
                 reply(None, e)
-                if not isinstance(e, PodError):  # the ranks failed, or a bug: the pod must not go on
-                    raise
-                continue
-            reply(result, None)
-        if served:
-            self._publish(force=True)
+                raise
+            self._publish(force=True)  # before the reply: whoever reads GET /v1/state next sees what it did
+            reply(result, error)
 
     def _publish(self, force: bool = False) -> None:
         now = time.monotonic()
