@@ -1,5 +1,6 @@
 """pat simulate: hand-computed small cases, the real planner inside it, the command and its errors."""
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -11,7 +12,8 @@ import pytest
 from pat_operator import planner
 from pat_workers.cli import main as pat
 from pat_workers.sim import simulate as sim
-from pat_workers.sim.hardware import GPU, Efficiency, EngineCosts, Measured, ModelShape, Roofline, SimError, hardware
+from pat_workers.sim.hardware import (GPU, GPUS, SHAPES, Efficiency, EngineCosts, Measured, ModelShape, Roofline,
+                                      SimError, hardware)
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = 16
@@ -216,3 +218,21 @@ def test_lengths_from_a_file_or_an_earlier_run(tmp_path, capsys):
         code, out, _ = run_pat(["--preset", "paper-llama8b", "--lengths", str(source), "--out", str(tmp_path)], capsys)
         result = json.loads(out.strip().splitlines()[-1])
         assert code == 0 and result["responses"] == 2 and result["mean_response_tokens"] == 160
+
+
+def test_the_h200_engine_profile_is_its_measured_shards_plus_modelled_all_reduces():
+    spec = importlib.util.spec_from_file_location("shard_profile", ROOT / "bench" / "shard_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = ROOT / "bench" / "results"
+    shards = json.loads((results / "h200-llama8b-shards.json").read_text())
+    roofline = Roofline(GPUS["H200"], SHAPES["llama-3.1-8b"])
+    assert module.engine_profile(shards, roofline) == json.loads((results / "h200-llama8b-engine.json").read_text()), \
+        "bench/results/h200-llama8b-engine.json is stale: run python bench/shard_profile.py"
+    costs = hardware(str(results / "h200-llama8b-engine.json"), SHAPES["llama-3.1-8b"])
+    step = lambda tp, batch, context: costs.decode(tp, batch)[0] + costs.decode(tp, batch)[1] * batch * context  # noqa: E731
+    # Both measured contexts come back at the largest batch, the all-reduces of its tokens added; TP=1 has none.
+    for tp, context in ((1, 512), (1, 2048), (8, 512), (8, 2048)):
+        measured = shards["decode"][str(tp)][str(context)]["256"]
+        assert step(tp, 256, context) == pytest.approx(measured + roofline.allreduce_seconds(tp, 256))
+    assert roofline.allreduce_seconds(1, 256) == 0 < roofline.allreduce_seconds(8, 1)

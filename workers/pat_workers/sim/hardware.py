@@ -206,7 +206,7 @@ class Roofline:
                 f"{e.compute:.0%} of BF16 FLOP/s, {e.link:.0%} of NVLink, {self.gpu.link_latency_s * 1e6:g} us "
                 f"per all-reduce, {e.step_overhead_s * 1e3:g} ms per step, {e.memory_reserve:.0%} of HBM reserved")
 
-    def _allreduce(self, tp: int, tokens: int) -> float:
+    def allreduce_seconds(self, tp: int, tokens: int) -> float:
         """Two per layer (attention and MLP outputs), each a ring: latency + 2 (t - 1) / t * bytes / bandwidth."""
         if tp == 1:
             return 0.0
@@ -230,7 +230,7 @@ class Roofline:
 
     def decode(self, tp: int, batch: int) -> tuple[float, float]:
         s = self.shape
-        base = (self.efficiency.step_overhead_s + self._allreduce(tp, batch)
+        base = (self.efficiency.step_overhead_s + self.allreduce_seconds(tp, batch)
                 + self._weights_or_compute(tp, 2 * s.matmul_params * batch))
         # Attention reads each context token's KV once (and does 4 FLOPs per head dim per head per layer).
         per_context = max(self._kv_bytes_per_rank(tp) / self._bandwidth(),
@@ -241,7 +241,7 @@ class Roofline:
         s = self.shape
         tokens = sum(contexts)
         attention = 2 * s.layers * s.heads * s.head_dim * sum(n * n for n in contexts)  # causal: half of 4 n^2
-        return (self.efficiency.step_overhead_s + self._allreduce(tp, tokens)
+        return (self.efficiency.step_overhead_s + self.allreduce_seconds(tp, tokens)
                 + self._weights_or_compute(tp, 2 * s.matmul_params * tokens + attention))
 
     def migrate_seconds(self, nbytes: float) -> float:
