@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache

@@ -322,8 +322,7 @@ def planner_inputs(scenario: Scenario, costs: StepCosts) -> PlannerInputs:
     batches = sorted({1 << i for i in range(capacity.bit_length())} | {capacity})
     measured = costs.engine_costs(list(scenario.tp_sizes), batches)
     tp_sizes = [t for t in scenario.tp_sizes if t in measured.decode]
-    return PlannerInputs(planner.Profile({t: measured.decode[t] for t in tp_sizes}, measured.kv_seconds,
-                                         measured.decode_context),
+    return PlannerInputs(planner.Profile.measured(measured),
                          planner.RegroupCosts.measured(scenario.regroup_fixed_seconds, costs.kv_bytes_per_token,
                                                        measured.link_bytes_per_s, measured.prefill), tp_sizes)
 
