@@ -5,7 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test run controlplane prometheus helm bench bench-quick bench-operator bench-e2e bench-sim simulate gpu-bench clean
+.PHONY: test run controlplane prometheus helm bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
+        simulate gpu-bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 or run make PYTHON=python3"; exit 1; }
@@ -55,12 +56,21 @@ bench-e2e: $(STAMP) controlplane prometheus
 bench-sim: $(STAMP)
 	$(PY) bench/sim_vs_real.py
 
+# FSDP2's parameters, gradients and AdamW states per rank on 1, 2 and 4 CPU ranks, beside the fit check's estimate.
+bench-trainer: $(STAMP)
+	$(PY) bench/trainer_memory.py
+
 simulate: $(STAMP)
 	$(VENV)/bin/pat simulate --preset paper-llama8b
 	$(VENV)/bin/pat simulate --preset paper-qwen14b
 
 gpu-bench: $(STAMP)
 	$(PY) bench/gpu_decode.py
+
+# One trainer step of a Qwen2.5-1.5B-shaped model on one GPU: peak memory vs the fit check, and MFU
+# (bench/results/gpu-check-trainer.json; docs/trainer-memory.md).
+gpu-check: $(STAMP)
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

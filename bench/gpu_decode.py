@@ -104,7 +104,8 @@ def main() -> int:
     weights = random_weights(hf, seed=0, device="cuda", dtype=torch.bfloat16)
     model = Transformer(cfg, weights)
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-    print(f"{torch.cuda.get_device_name()}: {args.preset} ({cfg.num_params / 1e9:.2f} B params, "
+    params = sum(t.numel() for t in weights.values())
+    print(f"{torch.cuda.get_device_name()}: {args.preset} ({params / 1e9:.2f} B params, "
           f"{weight_bytes / 1e9:.1f} GB bf16), context {args.context}, roofline at {args.bandwidth / 1e12:.2f} TB/s")
     results = {}
     for batch in args.batches:

@@ -15,7 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from pat_workers.sim.hardware import GPUS, SHAPES, Roofline
+from pat_operator.fit import GPUS, SHAPES
+from pat_workers.sim.hardware import Roofline
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -132,6 +132,10 @@ class Algorithm(_Model):
         "token-mean", description="seq-mean-token-sum-norm for Dr. GRPO")
     mini_batches: int = Field(2, ge=1, description="optimizer steps per iteration (the clip ratio acts from the 2nd)")
     grad_clip: float = Field(1.0, gt=0, description="the gradients' global norm is clipped to this")
+    max_tokens_per_micro_batch: int = Field(16384, ge=2, description="each rank splits its share of a mini-batch "
+                                            "into micro-batches of at most this many tokens (rows x longest row), "
+                                            "accumulating gradients: one optimizer step either way; bounds "
+                                            "activation memory. At least generator.maxSeq (one whole sequence)")
     seed: int = Field(0, description="the random seed of sampling and shuffling")
 
 
@@ -232,8 +236,34 @@ class PodTemplate(_Model):
 
 
 class Trainer(PodTemplate):
-    """The trainer pods: one data-parallel rank each."""
-    replicas: int = Field(1, ge=1, description="data-parallel trainer ranks (DDP), one pod each")
+    """The trainer pods: ranksPerPod ranks each (one per GPU); the ranks of all pods train one FSDP2-sharded model."""
+    replicas: int = Field(1, ge=1, description="trainer pods")
+    ranks_per_pod: int | None = Field(None, ge=1, description="trainer ranks per pod; default gpusPerPod (one rank "
+                                      "per GPU), or 1 on CPU (gpusPerPod: 0)")
+    activation_checkpointing: bool | None = Field(None, description="recompute each transformer block's "
+                                                  "activations in the backward pass instead of keeping them; "
+                                                  "default: on with GPUs, off on CPU")
+    cpu_offload: bool = Field(False, description="keep parameters, gradients and optimizer states in host memory "
+                              "(FSDP2's CPUOffloadPolicy): fits larger models, trains slower")
+
+    @property
+    def ranks(self) -> int:
+        return self.ranks_per_pod or self.gpus_per_pod or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.ranks
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.gpus_per_pod > 0 if self.activation_checkpointing is None else self.activation_checkpointing
+
+    @model_validator(mode="after")
+    def _ranks(self) -> Trainer:
+        if self.gpus_per_pod and self.ranks_per_pod not in (None, self.gpus_per_pod):
+            raise ValueError(f"trainer.ranksPerPod={self.ranks_per_pod} must equal gpusPerPod={self.gpus_per_pod} "
+                             f"(one rank per GPU), or be left out")
+        return self
 
 
 class Prometheus(_Model):
@@ -358,10 +388,16 @@ class RLHFJobSpec(_Model):
     @model_validator(mode="after")
     def _fits(self) -> RLHFJobSpec:
         responses = self.algorithm.prompts_per_iteration * self.algorithm.samples_per_prompt
-        if responses < self.algorithm.mini_batches * self.trainer.replicas:
-            raise ValueError(f"{responses} responses per iteration cannot give each of trainer.replicas="
-                             f"{self.trainer.replicas} ranks a share of algorithm.miniBatches="
-                             f"{self.algorithm.mini_batches} mini-batches; lower one of them")
+        world = self.trainer.world_size
+        if responses < self.algorithm.mini_batches * world:
+            raise ValueError(f"{responses} responses per iteration cannot give each of the {world} trainer ranks "
+                             f"(trainer.replicas x ranks per pod) a sequence in each of algorithm.miniBatches="
+                             f"{self.algorithm.mini_batches} mini-batches; raise algorithm.promptsPerIteration or "
+                             f"lower one of them")
+        if self.algorithm.max_tokens_per_micro_batch < self.generator.max_seq:
+            raise ValueError(f"algorithm.maxTokensPerMicroBatch={self.algorithm.max_tokens_per_micro_batch} is below "
+                             f"one whole sequence (prompt + response, up to generator.maxSeq="
+                             f"{self.generator.max_seq}); raise it to at least {self.generator.max_seq}")
         if self.reward.overlong_buffer >= self.algorithm.max_response_tokens:
             raise ValueError(f"reward.overlongBuffer={self.reward.overlong_buffer} must be below "
                              f"algorithm.maxResponseTokens={self.algorithm.max_response_tokens}")

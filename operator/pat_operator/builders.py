@@ -12,9 +12,10 @@ import hmac
 from typing import Any
 
 import yaml
+from kubernetes.utils import parse_quantity
 
 from . import commands
-from .api import API_VERSION, GPU_RESOURCE, KIND, PodTemplate, RLHFJob
+from .api import API_VERSION, GPU_RESOURCE, KIND, PodTemplate, RLHFJob, Trainer
 
 LABEL_JOB = "pat.dev/job"
 LABEL_ROLE = "pat.dev/role"
@@ -136,12 +137,11 @@ def pod(job: RLHFJob, uid: str, role: str, index: int, attempt: int) -> Manifest
     if role == "trainer":
         generators = [f"http://{pod_host(job, 'generator', i)}:{spec.generator.port}"
                       for i in range(spec.generator.replicas)]
-        args = commands.trainer_args(spec, SPEC_FILE, model_dir, run_dir, generators, "$(POD_IP)",
+        args = commands.trainer_args(spec, SPEC_FILE, model_dir, run_dir, generators, "$(POD_IP)", index,
+                                     pod_host(job, "trainer", 0), MASTER_PORT,
                                      metrics_port=TRAINER_METRICS_PORT if index == 0 else 0)
-        env += [{"name": "RANK", "value": str(index)}, {"name": "LOCAL_RANK", "value": "0"},
-                {"name": "WORLD_SIZE", "value": str(spec.trainer.replicas)},
-                {"name": "MASTER_ADDR", "value": pod_host(job, "trainer", 0)},
-                {"name": "MASTER_PORT", "value": str(MASTER_PORT)}]
+        if (threads := _threads_per_rank(spec.trainer)) is not None:
+            env.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
         ports = [{"name": "metrics", "containerPort": TRAINER_METRICS_PORT}]
         probe = None
         mounts.append({"name": "run", "mountPath": run_dir})
@@ -220,6 +220,13 @@ def _resources(template: PodTemplate) -> dict[str, Any]:
     if limits:
         out["limits"] = limits
     return out
+
+
+def _threads_per_rank(trainer: Trainer) -> int | None:
+    """Torch threads per trainer rank: the pod's CPUs shared by its ranks (torchrun would give each rank one
+    thread, or all of the node's cores to a single rank). None: the pod asks for no CPUs."""
+    cpus = trainer.resources.requests.get("cpu", trainer.resources.limits.get("cpu"))
+    return None if cpus is None else max(1, int(parse_quantity(cpus) // trainer.ranks))
 
 
 def _container_security() -> dict[str, Any]:

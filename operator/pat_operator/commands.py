@@ -31,12 +31,19 @@ def generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_file: str
 
 
 def trainer_args(spec: RLHFJobSpec, job_file: str, model_dir: str, run_dir: str, generators: list[str], host: str,
-                 metrics_port: int = 0, weight_port: int = 0, token_file: str | None = None) -> list[str]:
-    args = ["trainer", "--job", job_file, "--model", model_dir, "--run-dir", run_dir,
-            "--generators", ",".join(generators), "--host", host, "--weight-port", str(weight_port),
-            "--metrics-port", str(metrics_port)]
+                 pod_index: int, master_addr: str, master_port: int, metrics_port: int = 0, weight_port: int = 0,
+                 token_file: str | None = None) -> list[str]:
+    """One trainer pod: `pat trainer LAUNCH_OPTIONS -- RANK_OPTIONS` starts trainer.ranks rank processes through
+    torch.distributed.run. Static rendezvous at trainer pod 0 with the pod's index as node rank, so global rank 0
+    (metrics, weight sync, the generators' driver) is on pod 0. No restarts inside the pod: a dead rank fails the
+    pod, the operator restarts the whole gang and the trainer resumes from its checkpoint."""
+    t = spec.trainer
+    launch = ["--nnodes", str(t.replicas), "--nproc-per-node", str(t.ranks), "--node-rank", str(pod_index),
+              "--master-addr", master_addr, "--master-port", str(master_port), "--max-restarts", "0"]
+    rank = ["--job", job_file, "--model", model_dir, "--run-dir", run_dir, "--generators", ",".join(generators),
+            "--host", host, "--weight-port", str(weight_port), "--metrics-port", str(metrics_port)]
     if spec.tokenizer.path:
-        args += ["--tokenizer", spec.tokenizer.path]
+        rank += ["--tokenizer", spec.tokenizer.path]
     if token_file:
-        args += ["--token-file", token_file]
-    return args
+        rank += ["--token-file", token_file]
+    return ["trainer", *launch, "--", *rank]

@@ -3,8 +3,9 @@
 `decide()` is level-based: it looks only at the current state, so running it twice, or after an operator restart,
 does no harm. Conditions are the one source of truth; the phase is derived from them. The rules:
 
-- An invalid spec fails the job (InvalidSpec), naming each bad field; nothing is created. So does a change of
-  any spec field but runPolicy once the job has started (ImmutableFieldChanged).
+- An invalid spec fails the job (InvalidSpec), naming each bad field; nothing is created. So does a tiny model
+  that cannot fit the GPUs its pods select (fit.require_fit). A change of any spec field but runPolicy once the
+  job has started fails it too (ImmutableFieldChanged).
 - Succeeded and Failed are terminal and sticky: afterwards only live pods are deleted (finished ones are kept
   for their logs) and, with ttlSecondsAfterFinished, the job itself is deleted when that time has passed.
 - suspend deletes the pods and keeps the status; resuming creates the next pods (from the last checkpoint).
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from . import builders
+from . import builders, fit
 from .api import Condition, GeneratorPodStatus, JobSpecError, RLHFJob, RLHFJobStatus, parse_job
 from .layout import describe
 
@@ -146,6 +147,7 @@ def decide(obs: Observed, settings: Settings = Settings()) -> Decision:
     book = _Book(status, obs.now, generation)
     try:
         job = parse_body(obs.body)
+        fit.require_fit(job.spec, f"{meta.get('namespace')}/{meta['name']}")  # a tiny model on known GPUs
     except JobSpecError as e:
         live = [p.name for p in obs.pods if not p.deleting and p.phase not in ("Succeeded", "Failed")]
         if not book.true(FAILED):

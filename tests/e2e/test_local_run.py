@@ -1,8 +1,9 @@
-"""`pat run` end to end: real processes (generator pod with 2 engine ranks, trainer), real HTTP, real gloo.
+"""`pat run` end to end: real processes (generator pod with 2 engine ranks, trainer pod), real HTTP, real gloo.
 
 - learning: the example job's reward rises by a clear margin (the run also exercises adaptive TP, summary, plots);
-- a killed trainer and a killed engine rank: the gang restarts, resumes from the last checkpoint, and the result is
-  exactly that of an uninterrupted run (same tokens every iteration, same final weights);
+- a killed trainer rank (of a trainer pod running 2 through torch.distributed.run) and a killed engine rank: the
+  gang restarts, resumes from the last checkpoint, and the result is exactly that of an uninterrupted run (same
+  tokens every iteration, same final weights);
 - adaptive TP on vs off, greedy: identical token ids;
 - a bad spec is rejected before anything starts.
 """
@@ -20,7 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
+
+from pat_workers.trainer import checkpoint
+
+from ..procs import children
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "local.yaml"
@@ -51,8 +55,7 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def final_weights(run_dir: Path) -> dict:
-    last = sorted((run_dir / "checkpoints").glob("iter-*"))[-1]
-    return load_file(str(next(last.glob("*.safetensors"))))
+    return checkpoint.load_weights(checkpoint.latest(run_dir / "checkpoints"))
 
 
 def rollouts(run_dir: Path) -> dict[str, list]:
@@ -98,7 +101,7 @@ def test_the_example_reports_what_adaptive_tp_did(example_run):
 
 def test_killed_processes_resume_exactly(tmp_path):
     job = write_job(tmp_path, "resume", **{"algorithm.iterations": 8, "checkpoint.everyIterations": 2,
-                                           "generator.adaptiveTP.enabled": False})
+                                           "generator.adaptiveTP.enabled": False, "trainer.ranksPerPod": 2})
     reference = tmp_path / "reference"
     assert pat("run", str(job), "--run-dir", str(reference), "--no-progress").returncode == 0
     crashed = tmp_path / "crashed"
@@ -113,11 +116,17 @@ def test_killed_processes_resume_exactly(tmp_path):
         os.kill(victim(), signal.SIGKILL)
 
     pids = lambda: json.loads((crashed / "pids.json").read_text())  # noqa: E731
-    kill_when(3, lambda: pids()["trainer-0"])  # after iteration 3: the checkpoint of iteration 2 is the latest
+
+    def trainer_rank() -> int:  # a child of the trainer pod's torch.distributed.run: one rank, not the pod
+        ranks = children(pids()["trainer-0"])
+        assert len(ranks) == 2, ranks
+        return max(ranks)
+
+    kill_when(3, trainer_rank)  # after iteration 3: the checkpoint of iteration 2 is the latest
 
     def engine_rank() -> int:  # a grandchild of the pod process: the fork server's second rank
         pod = pids()["generator-0"]
-        ranks = [int(c) for p in _children(pod) for c in _children(p)]
+        ranks = [int(c) for p in children(pod) for c in children(p)]
         assert len(ranks) == 2, ranks
         return max(ranks)
 
@@ -125,20 +134,13 @@ def test_killed_processes_resume_exactly(tmp_path):
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
     summary = json.loads((crashed / "summary.json").read_text())
-    assert len(summary["restarts"]) == 2
+    assert [r["reason"].split()[0] for r in summary["restarts"]] == ["trainer-0", "generator-0"]  # the pods failed
     by_attempt = summary["iterations_by_attempt"]
     assert sorted(i for its in by_attempt.values() for i in its) == list(range(1, 9))  # each exactly once
     assert min(by_attempt["1"]) in (3, 5) and min(by_attempt["2"]) in (5, 7)  # resumed after a checkpoint
     assert rollouts(crashed) == rollouts(reference)  # every token of every iteration
     ref, got = final_weights(reference), final_weights(crashed)  # bitwise: training is deterministic
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
 
 
 def test_adaptive_tp_on_and_off_greedy_give_identical_tokens(tmp_path):
@@ -151,7 +153,7 @@ def test_adaptive_tp_on_and_off_greedy_give_identical_tokens(tmp_path):
     job = write_job(tmp_path, "greedy", **{"algorithm.iterations": 2, "algorithm.temperature": 0,
                                            "algorithm.promptsPerIteration": 8,
                                            "generator.adaptiveTP.profile": str(profile),
-                                           "trainer.replicas": 2})  # and the loop's DDP path
+                                           "trainer.replicas": 2})  # 2 trainer pods: 2 launchers, one rendezvous
     run_dir = tmp_path / "run"
     done = pat("run", str(job), "--run-dir", str(run_dir), "--baseline", "--no-progress")
     assert done.returncode == 0, done.stderr[-4000:]

@@ -5,19 +5,8 @@ import os
 import signal
 from pathlib import Path
 
+from ..procs import children
 from .conftest import TOKEN, Pod
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def _cmdline(pid: int) -> str:
@@ -36,8 +25,8 @@ def test_not_ready_while_starting_and_exits_nonzero_when_a_rank_dies(model_dir, 
         assert state["ready"] is False and state["world"] == 1
         pod.wait_ready()
         assert pod.state()["ready"] and pod.call("GET", "/healthz", token=None)[0] == 200
-        forkserver = next(p for p in _children(pod.proc.pid) if "forkserver" in _cmdline(p))
-        (rank,) = _children(forkserver)
+        forkserver = next(p for p in children(pod.proc.pid) if "forkserver" in _cmdline(p))
+        (rank,) = children(forkserver)
         os.kill(rank, signal.SIGKILL)
         assert pod.proc.wait(30) == 1
         assert "GeneratorError: rank(s) [0] died" in pod.log.read_text()

@@ -10,9 +10,19 @@ import torch
 
 from pat_workers.engine.loader import load_weights
 from pat_workers.engine.tiny import random_weights
-from pat_workers.weightsync import WeightReceiver, WeightSender, WeightSyncError
+from pat_workers.weightsync import WeightReceiver, WeightSender, WeightSyncError, buckets
 
 from .conftest import MODEL_SEED, Reference, long_tailed, mismatched
+
+
+def send(sender: WeightSender, weights: dict[str, torch.Tensor], version: int, **kwargs) -> None:
+    sender.send({name: t.shape for name, t in weights.items()}, sorted(weights.items()), version, **kwargs)
+
+
+def test_buckets_group_consecutive_tensors_within_the_limit():
+    tensors = [["a", [2, 2]], ["b", [3]], ["c", [10]], ["d", [1]], ["e", [1]]]
+    assert buckets(tensors, itemsize=4, limit=32) == [[0, 1], [2], [3, 4]]  # c (40 bytes) goes alone
+    assert buckets(tensors, itemsize=2, limit=1 << 20) == [[0, 1, 2, 3, 4]]
 
 
 def _wait_version(pod, version: int, timeout: float = 60.0) -> None:
@@ -40,7 +50,7 @@ def test_weight_update_changes_what_the_pod_generates(operator_pod, model_dir, r
                                    ("POST", "/v1/weights", {**update, "version": v + 2})):
             status, reply = pod.call(method, path, body)
             assert status == 409 and f"receiving the weights of version {v + 1}" in reply["error"], (path, reply)
-        sender.send(new_weights, v + 1)
+        send(sender, new_weights, v + 1, bucket_bytes=64 << 10)  # many buckets, some of one tensor
         _wait_version(pod, v + 1)
         assert pod.metrics()[("pat_generator_policy_version", ())] == v + 1
 
@@ -58,7 +68,7 @@ def test_weight_update_changes_what_the_pod_generates(operator_pod, model_dir, r
         pod.ok("POST", "/v1/weights", {**update, "version": v + 2}, 202)
         partial = {k: t for k, t in old_weights.items() if k != "lm_head.weight"}
         with pytest.raises(WeightSyncError, match=r"missing \['lm_head.weight'\]"):
-            sender.send(partial, v + 2)
+            send(sender, partial, v + 2)
         deadline = time.monotonic() + 30
         while pod.call("POST", "/v1/rollouts", {"batch_id": "x", "policy_version": v + 1,
                                                 "requests": requests[:1]})[0] == 409:
@@ -69,7 +79,7 @@ def test_weight_update_changes_what_the_pod_generates(operator_pod, model_dir, r
 
         # The same cached group carries the next round: the original weights come back.
         pod.ok("POST", "/v1/weights", {**update, "version": v + 2}, 202)
-        sender.send(old_weights, v + 2)
+        send(sender, old_weights, v + 2)
         _wait_version(pod, v + 2)
         assert mismatched(pod.generate("old-again", requests, v + 2), old_reference) == []
     finally:
@@ -98,8 +108,8 @@ def test_sender_casts_to_the_receivers_dtype_and_a_refused_round_moves_nothing()
     try:
         weights = {"a": torch.tensor([1.0, 2.5, 1 / 3]), "b": torch.randn(2, 2, requires_grad=True)}
         with pytest.raises(WeightSyncError, match="the trainer sent version 1, this pod expects version 2"):
-            sender.send(weights, 1)
-        sender.send(weights, 1)
+            send(sender, weights, 1)
+        send(sender, weights, 1)
         refused, untouched, received = results.get(timeout=60)
     finally:
         sender.close()

@@ -1,6 +1,6 @@
 """A real RLHFJob through the operator: the pods run the real generator and trainer (tiny model built in each
-pod's init container), a killed trainer makes the gang restart and resume from its checkpoint, and the job
-succeeds after its iterations."""
+pod's init container; the trainer pod runs 2 ranks through torch.distributed.run), one killed trainer rank fails
+its pod, the gang restarts and resumes from its checkpoint, and the job succeeds after its iterations."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import signal
 
 import pytest
 
+from ..procs import children
 from .conftest import job_doc, phase
 
 pytestmark = pytest.mark.cluster
@@ -21,6 +22,7 @@ def real_job(name: str) -> dict:
     spec["algorithm"].update(iterations=ITERATIONS, promptsPerIteration=8, samplesPerPrompt=4, maxResponseTokens=24)
     spec["reward"]["overlongBuffer"] = 4
     spec["generator"].update(maxBatch=16, maxSeq=64)
+    spec["trainer"].update(gpusPerPod=0, ranksPerPod=2)
     spec["checkpoint"] = {"everyIterations": 1, "keep": 2, "path": "/var/lib/pat/run",
                           "volume": {"persistentVolumeClaim": {"claimName": f"{name}-run"}}}
     return doc
@@ -39,8 +41,10 @@ def test_real_workers_run_restart_from_a_checkpoint_and_succeed(jobs, cluster):
     job = jobs.wait("grpo", lambda j: j["status"].get("iteration", 0) >= 2, "iteration 2", timeout=240, explain=logs)
     layouts = job["status"]["generators"]
     assert layouts[0]["pod"] == "grpo-generator-0" and sum(layouts[0]["layout"]) == 2  # read from the pod
-    for pid in cluster.kubelet.pids(jobs.namespace, "grpo-trainer-0"):
-        os.kill(pid, signal.SIGKILL)
+    (pod,) = cluster.kubelet.pids(jobs.namespace, "grpo-trainer-0")  # the pod's torch.distributed.run
+    ranks = children(pod)
+    assert len(ranks) == 2, ranks
+    os.kill(max(ranks), signal.SIGKILL)  # one rank, not the pod
     jobs.wait("grpo", lambda j: j["status"].get("restarts") == 1, "gang restart", timeout=60, explain=logs)
     job = jobs.wait("grpo", phase("Succeeded"), "Succeeded", timeout=300, explain=logs)
     assert job["status"]["iteration"] == ITERATIONS and job["status"]["restarts"] == 1

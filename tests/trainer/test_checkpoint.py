@@ -1,90 +1,104 @@
-"""Checkpoints round-trip, are atomic (a crash leaves none or a whole one) and are pruned to the newest `keep`."""
+"""Sharded checkpoints (torch.distributed.checkpoint) round-trip model, optimizer and state, are atomic (a crash
+leaves none or a whole one) and are pruned to the newest `keep`. Resharding onto another world size:
+tests/trainer/test_fsdp.py."""
 
 import random
+from unittest import mock
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from pat_workers.trainer import checkpoint
 from pat_workers.trainer.data import PromptSampler
+from tests.engine.multiproc import run_ranks
 
 
-def training_state():
-    model = torch.nn.Linear(4, 3)
+def sharded_model(world: int, seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
+    return model, optimizer
+
+
+def full(model) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def round_trip(rank, world, root):
+    model, optimizer = sharded_model(world, seed=1)
     sampler = PromptSampler(10, seed=1)
     sampler.next_batch(7)
-    return model, optimizer, sampler
-
-
-def save(root, iteration, keep=3, **overrides):
-    model, optimizer, sampler = training_state()
-    kwargs = dict(weights=dict(model.named_parameters()), optimizer_state=optimizer.state_dict(),
-                  rng=checkpoint.rng_state(), sampler_state=sampler.state_dict(),
-                  extra={"reward_mean": 0.5, "history": [1, 2]}, keep=keep)
-    return checkpoint.save(root, iteration, **{**kwargs, **overrides})
-
-
-def test_round_trip(tmp_path):
-    model, optimizer, sampler = training_state()
     random.seed(3)
     torch.manual_seed(3)
-    rng = checkpoint.rng_state()
-    expected_draws = (random.random(), torch.rand(3))
-    path = save(tmp_path, 10, weights=dict(model.named_parameters()), optimizer_state=optimizer.state_dict(),
-                rng=rng, sampler_state=sampler.state_dict())
-    assert path == tmp_path / "iter-000010" and checkpoint.latest(tmp_path) == path
-
-    loaded = checkpoint.load(path)
-    assert loaded.iteration == 10 and loaded.extra == {"reward_mean": 0.5, "history": [1, 2]}
-    assert all(torch.equal(loaded.weights[n], p.detach()) for n, p in model.named_parameters())
-    fresh_model = torch.nn.Linear(4, 3)
-    fresh_optimizer = torch.optim.AdamW(fresh_model.parameters(), lr=0.1)
-    fresh_optimizer.load_state_dict(loaded.optimizer_state)
-    exp_avg = fresh_optimizer.state_dict()["state"][0]["exp_avg"]
-    assert torch.equal(exp_avg, optimizer.state_dict()["state"][0]["exp_avg"])
-    resumed = PromptSampler(10, seed=1)
-    resumed.load_state_dict(loaded.sampler_state)
-    assert resumed.next_batch(5) == sampler.next_batch(5)
-    random.random(), torch.rand(3)  # move the generators on
-    checkpoint.set_rng_state(loaded.rng)
+    state = {"rng": checkpoint.rng_state(), "sampler": sampler.state_dict(), "history": [1, 2]}
     draws = (random.random(), torch.rand(3))
-    assert draws[0] == expected_draws[0] and torch.equal(draws[1], expected_draws[1])
+    path = checkpoint.save(root, 10, model, optimizer, state=state, keep=2)
+    fresh, fresh_optimizer = sharded_model(world, seed=2)  # other weights, other moments
+    before = full(fresh)
+    loaded = checkpoint.load(path, fresh, fresh_optimizer)
+    resumed = PromptSampler(10, seed=1)
+    resumed.load_state_dict(loaded["sampler"])
+    random.random(), torch.rand(3)  # move the generators on
+    checkpoint.set_rng_state(loaded["rng"])
+    return {"path": path, "iteration": loaded["iteration"], "history": loaded["history"],
+            "weights": (full(model), full(fresh), before),
+            "moments": [(a["exp_avg"].full_tensor(), b["exp_avg"].full_tensor())
+                        for a, b in zip(optimizer.state.values(), fresh_optimizer.state.values())],
+            "sampler": (resumed.next_batch(5), sampler.next_batch(5)),
+            "draws": (draws, (random.random(), torch.rand(3)))}
 
 
-def test_a_crash_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
-    first = save(tmp_path, 5)
-    # A process killed mid-write leaves its temp dir behind: latest() ignores it.
-    leftover = tmp_path / ".tmp-crashed"
-    leftover.mkdir()
-    (leftover / "model.safetensors").write_bytes(b"partial")
-    assert checkpoint.latest(tmp_path) == first
+def test_round_trip_on_two_ranks(tmp_path):
+    out, _ = run_ranks(round_trip, 2, tmp_path, timeout=120)
+    assert out["path"] == tmp_path / "iter-000010" and checkpoint.latest(tmp_path) == out["path"]
+    assert out["iteration"] == 10 and out["history"] == [1, 2]
+    saved, loaded, before = out["weights"]
+    assert all(torch.equal(saved[n], loaded[n]) for n in saved)
+    assert any(not torch.equal(saved[n], before[n]) for n in saved)  # the load changed them
+    assert all(torch.equal(a, b) for a, b in out["moments"]) and out["moments"]
+    assert out["sampler"][0] == out["sampler"][1]
+    (first, first_t), (again, again_t) = out["draws"]
+    assert first == again and torch.equal(first_t, again_t)
+    assert set(checkpoint.load_weights(out["path"])) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert torch.equal(checkpoint.load_weights(out["path"])["1.weight"], saved["1.weight"])
 
-    def fail(*args, **kwargs):
-        raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint.torch, "save", fail)
-    with pytest.raises(OSError, match="disk full"):
-        save(tmp_path, 10)
-    monkeypatch.undo()
-    assert checkpoint.latest(tmp_path) == first
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-crashed", "iter-000005"]
-    # The next save clears the leftovers.
-    newest = save(tmp_path, 15)
-    assert checkpoint.latest(tmp_path) == newest
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter-000005", "iter-000015"]
+def save_many(rank, world, root, iterations, keep, fail_at=None):
+    model, optimizer = sharded_model(world, seed=0)
+    for it in iterations:
+        if it == fail_at:
+            with mock.patch.object(checkpoint.os, "replace", side_effect=OSError("disk full")):
+                with pytest.raises(OSError, match="disk full"):
+                    checkpoint.save(root, it, model, optimizer, state={}, keep=keep)
+            return sorted(p.name for p in root.iterdir())
+        checkpoint.save(root, it, model, optimizer, state={"at": it}, keep=keep)
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_a_crash_leaves_no_partial_checkpoint(tmp_path):
+    (names,) = run_ranks(save_many, 1, tmp_path, [5, 10], 3, 10, timeout=60)
+    # Iteration 10 was written but never renamed into place: a temp folder, which latest() ignores.
+    assert names == [".tmp-iter-000010", "iter-000005"] and checkpoint.latest(tmp_path) == tmp_path / "iter-000005"
+    (names,) = run_ranks(save_many, 1, tmp_path, [15], 3, timeout=60)  # the next save clears the leftovers
+    assert names == ["iter-000005", "iter-000015"]
 
 
 def test_keep_prunes_the_oldest(tmp_path):
-    for iteration in (5, 10, 15, 100):
-        save(tmp_path, iteration, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter-000015", "iter-000100"]
+    (names,) = run_ranks(save_many, 1, tmp_path, [5, 10, 15, 100], 2, timeout=60)
+    assert names == ["iter-000015", "iter-000100"]
     # Saving an iteration again (a run resumed from an older checkpoint) replaces it whole.
-    save(tmp_path, 15, keep=2, extra={"again": True})
-    assert checkpoint.load(tmp_path / "iter-000015").extra == {"again": True}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter-000015", "iter-000100"]
+    (names,) = run_ranks(save_many, 1, tmp_path, [15], 2, timeout=60)
+    assert names == ["iter-000015", "iter-000100"]
+    assert torch.load(tmp_path / "iter-000015" / checkpoint.STATE_FILE, weights_only=True)["at"] == 15
     assert checkpoint.latest(tmp_path / "absent") is None
     with pytest.raises(ValueError, match="keep=0"):
-        save(tmp_path, 200, keep=0)
+        checkpoint.save(tmp_path, 200, None, None, state={}, keep=0)

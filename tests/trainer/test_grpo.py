@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pat_workers.trainer.grpo import entropy, group_advantages, policy_loss
+from pat_workers.trainer.grpo import group_advantages, policy_loss
 
 
 def test_group_advantages_by_hand():
@@ -40,7 +40,11 @@ def test_aggregations_by_hand():
     assert loss(aggregation="token-mean") == pytest.approx((-1 + 2 * 3) / 4)
     assert loss(aggregation="seq-mean-token-mean") == pytest.approx((-1 + 2) / 2)
     assert loss(aggregation="seq-mean-token-sum-norm", max_response_tokens=8) == pytest.approx((-1 + 6) / (2 * 8))
-    assert loss(aggregation="token-mean", token_normalizer=10.0) == pytest.approx(5 / 10)
+    # A part of a larger batch (10 tokens in 5 sequences) gets its share of that batch's loss.
+    assert loss(aggregation="token-mean", totals=(10.0, 5.0)) == pytest.approx(5 / 10)
+    assert loss(aggregation="seq-mean-token-mean", totals=(10.0, 5.0)) == pytest.approx((-1 + 2) / 5)
+    assert loss(aggregation="seq-mean-token-sum-norm", max_response_tokens=8, totals=(10.0, 5.0)) == \
+        pytest.approx(5 / (5 * 8))
     with pytest.raises(ValueError, match="max_response_tokens"):
         loss(aggregation="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
@@ -75,11 +79,3 @@ def test_kl_penalty_by_hand():
         policy_loss(logprobs, logprobs, torch.zeros(1), mask, clip_ratio=0.2, kl_coef=0.1)
     with pytest.raises(ValueError, match="old_logprobs has shape"):
         policy_loss(logprobs, logprobs[:, :1], torch.zeros(1), mask, clip_ratio=0.2)
-
-
-def test_entropy_ignores_masked_tokens():
-    vocab = 16
-    logits = torch.zeros(1, 2, vocab)
-    logits[0, 1, 0] = 100.0  # a certain token (entropy 0), masked out
-    assert entropy(logits, lengths_mask([1], 2)).item() == pytest.approx(math.log(vocab))
-    assert entropy(logits, lengths_mask([2], 2)).item() == pytest.approx(math.log(vocab) / 2)

@@ -1,10 +1,14 @@
-"""The GRPO loop's pure parts: sampling seeds, batch packing, the trainer's Prometheus metrics."""
+"""The GRPO loop's parts: sampling seeds, batch packing, micro-batches, the start-up fit check, the trainer's
+Prometheus metrics."""
 
+import pytest
 import torch
 from prometheus_client import generate_latest
 
 from pat_operator import metric_names as names
-from pat_workers.trainer.loop import Rollout, TrainerMetrics, _pack, sample_seed
+from pat_operator.api import parse_job
+from pat_operator.fit import FitError
+from pat_workers.trainer.loop import Rollout, TrainerMetrics, _pack, micro_batches, require_fit, sample_seed
 
 
 def test_sample_seeds_are_fixed_by_position_and_distinct():
@@ -29,3 +33,29 @@ def test_trainer_metrics_export_the_contract_names():
     assert f"{names.TRAINER_ITERATION} 3.0" in text
     assert f'{names.TRAINER_PHASE_SECONDS}{{phase="generate"}} 1.5' in text
     assert f"{names.TRAINER_REWARD_MEAN} 0.25" in text and f"{names.TRAINER_ENTROPY} 2.0" in text
+
+
+def test_micro_batches_fit_the_budget_longest_first():
+    lengths = [5, 12, 3, 7, 7, 2]
+    groups = micro_batches(lengths, budget=16)
+    assert sorted(i for g in groups for i in g) == list(range(6))  # every sequence once
+    assert all(len(g) * max(lengths[i] for i in g) <= 16 for g in groups)
+    assert groups == [[1], [3, 4], [0, 2, 5]]  # 12 alone; 2 x 7; 3 x 5
+    assert micro_batches(lengths, budget=1000) == [[1, 3, 4, 0, 2, 5]]  # one pass when it all fits
+    assert micro_batches([20, 3], budget=16) == [[0], [1]]  # longer than the budget: alone
+    assert micro_batches([], budget=16) == []
+
+
+def test_the_trainer_fails_fast_when_a_rank_cannot_fit(model_dir, tmp_path):
+    """The start-up check: the same estimate as `pat plan`, against this host's free memory."""
+    job = parse_job({"apiVersion": "pat.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "big"},
+                     "spec": {"model": {"path": str(model_dir)}, "dataset": {"synthetic": {}},
+                              "trainer": {"gpusPerPod": 0},
+                              "algorithm": {"maxTokensPerMicroBatch": 1 << 40}}})
+    with pytest.raises(FitError, match=r"spec\.algorithm\.maxTokensPerMicroBatch: .* needs .* with "
+                                       r"maxTokensPerMicroBatch=1099511627776"):
+        require_fit(job.spec, model_dir, torch.device("cpu"))
+    # Negative control: the default budget fits.
+    fits = job.spec.model_copy(update={"algorithm": job.spec.algorithm.model_copy(
+        update={"max_tokens_per_micro_batch": 16384})})
+    require_fit(fits, model_dir, torch.device("cpu"))

@@ -1,52 +1,56 @@
-"""The policy computes with the engine's model: its logits are the engine's, its gradients reach every weight."""
+"""The policy computes with the engine's model: its log-probabilities are the engine's, its gradients reach every
+weight, the chunked loss equals the full one without ever holding [tokens, vocab], and activation checkpointing
+changes no gradient."""
 
-import json
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pat_workers.engine.comm import SoloCommunicator
-from pat_workers.engine.config import ModelConfig
 from pat_workers.engine.kv import KVCache
-from pat_workers.engine.loader import load_model, load_tokenizer
+from pat_workers.engine.loader import load_model
 from pat_workers.engine.model import Transformer
 from pat_workers.engine.tiny import make_tiny_model
+from pat_workers.trainer import policy as policy_module
 from pat_workers.trainer.grpo import policy_loss
-from pat_workers.trainer.policy import Policy, response_logprobs
+from pat_workers.trainer.policy import Policy, token_logprobs
 
 
-def prefill_logits(model_dir, row: torch.Tensor) -> torch.Tensor:
-    """The inference path: the engine's prefill of each prefix of `row`, logits of its last position."""
+def prefill_logprobs(model_dir, row: torch.Tensor) -> torch.Tensor:
+    """The inference path: the engine's prefill of each prefix of `row`; log p of the next token of each."""
     cfg, weights = load_model(model_dir)
     model = Transformer(cfg, weights)
     shard, comm = model.shard(1, 0), SoloCommunicator(0)
     out = []
-    for end in range(1, len(row) + 1):
+    for end in range(1, len(row)):
         cache = KVCache.allocate(cfg, slots=1, kv_heads=cfg.num_kv_heads, max_seq=end, dtype=torch.float32)
-        out.append(model.forward(shard, comm, row[None, :end], torch.tensor([0]), cache.k, cache.v)[0])
+        logits = model.forward(shard, comm, row[None, :end], torch.tensor([0]), cache.k, cache.v)[0]
+        out.append(torch.log_softmax(logits, -1)[row[end]])
     return torch.stack(out)
 
 
+def score(policy, tokens, prompt_lens, response_lens):
+    return policy(tokens, torch.as_tensor(prompt_lens), torch.as_tensor(response_lens))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_logits_at_every_position_equal_the_engine_prefill(tmp_path, family):
+def test_logprobs_equal_the_engine_prefill(tmp_path, family):
     model_dir = make_tiny_model(tmp_path, family=family, seed=2)
     policy = Policy(model_dir)
     tokens = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logits = policy(tokens)
-        # A right-padded row gives the same logits at its real positions.
-        padded = policy(torch.cat([tokens[:1, :6], torch.full((1, 4), 258)], dim=1))
-    assert logits.shape == (2, 10, policy.config.vocab_size)
+        logprobs = score(policy, tokens, [1, 1], [9, 9]).logprobs
+        # A right-padded row gives the same log-probabilities at its real positions.
+        padded = score(policy, torch.cat([tokens[:1, :6], torch.full((1, 4), 258)], dim=1), [1], [5]).logprobs
     for row in range(2):
-        expected = prefill_logits(model_dir, tokens[row])
-        assert (logits[row] - expected).abs().max().item() < 1e-5
-        assert torch.equal(logits[row].argmax(-1), expected.argmax(-1))  # greedy parity
-    assert (padded[0, :6] - logits[0, :6]).abs().max().item() < 1e-5
-    # Negative control: another model's logits differ.
+        assert (logprobs[row] - prefill_logprobs(model_dir, tokens[row])).abs().max().item() < 1e-5
+    assert (padded[0] - logprobs[0, :5]).abs().max().item() < 1e-5
+    # Negative control: another model's differ.
     other = Policy(make_tiny_model(tmp_path / "other", family=family, seed=3))
     with torch.no_grad():
-        assert (other(tokens) - logits).abs().max().item() > 1e-2
+        assert (score(other, tokens, [1, 1], [9, 9]).logprobs - logprobs).abs().max().item() > 1e-2
 
 
 def batch(vocab: int = 300):
@@ -58,26 +62,27 @@ def batch(vocab: int = 300):
 def test_response_logprobs_pick_the_next_token_probability(model_dir):
     policy = Policy(model_dir)
     tokens, prompt_lens, response_lens = batch()
-    out = response_logprobs(policy, tokens, prompt_lens, response_lens)
-    assert out.logprobs.shape == out.mask.shape == (3, 7)
+    out = policy(tokens, prompt_lens, response_lens)
+    assert out.logprobs.shape == out.mask.shape == out.entropy.shape == (3, 7)
     assert out.mask.sum(1).tolist() == [5, 7, 2]
     assert (out.logprobs[~out.mask] == 0).all() and (out.logprobs[out.mask] < 0).all()
-    logits = policy(tokens).detach()
-    # Row 2's first response token is tokens[2, 4], predicted at position 3; its last is tokens[2, 5].
-    for j, position in ((0, 4), (1, 5)):
-        expected = torch.log_softmax(logits[2, position - 1], -1)[tokens[2, position]]
-        assert out.logprobs[2, j].item() == pytest.approx(expected.item(), abs=1e-6)
-    assert 0 < out.entropy.item() <= math.log(policy.config.vocab_size) and not out.entropy.requires_grad
+    # Row 2's response tokens are tokens[2, 4:6]: scoring the row with a longer prompt gives the same values.
+    with torch.no_grad():
+        shifted = score(policy, tokens[2:], [5], [1]).logprobs
+    assert shifted[0, 0].item() == pytest.approx(out.logprobs[2, 1].item(), abs=1e-5)
+    entropy = out.entropy[out.mask]
+    assert (entropy > 0).all() and (entropy <= math.log(policy.config.vocab_size) + 1e-5).all()
+    assert not out.entropy.requires_grad and (out.entropy[~out.mask] == 0).all()
     with pytest.raises(ValueError, match="prompt_len >= 1"):
-        response_logprobs(policy, tokens, [3, 2, 4], [5, 8, 2])  # 2 + 8 > 9
+        score(policy, tokens, [3, 2, 4], [5, 8, 2])  # 2 + 8 > 9
     with pytest.raises(ValueError, match="one entry per row"):
-        response_logprobs(policy, tokens, [3, 2], [5, 7])
+        score(policy, tokens, [3, 2], [5, 7])
 
 
 def test_gradients_reach_every_weight(model_dir):
     policy = Policy(model_dir)
     tokens, prompt_lens, response_lens = batch()
-    out = response_logprobs(policy, tokens, prompt_lens, response_lens)
+    out = policy(tokens, prompt_lens, response_lens)
     loss, _ = policy_loss(out.logprobs, out.logprobs.detach(), torch.tensor([1.0, -0.5, 2.0]), out.mask,
                           clip_ratio=0.2)
     loss.backward()
@@ -86,54 +91,72 @@ def test_gradients_reach_every_weight(model_dir):
     for name, p in policy.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0 and p.grad.isfinite().all(), name
     frozen = Policy(model_dir).requires_grad_(False)
-    assert not response_logprobs(frozen, tokens, prompt_lens, response_lens).logprobs.requires_grad
+    assert not frozen(tokens, prompt_lens, response_lens).logprobs.requires_grad
 
 
 def test_gradient_matches_finite_differences(model_dir, monkeypatch):
-    """Autograd through the engine's forward (its cache writes included) against a float64 central difference."""
-    # The engine normalises in float32 (as transformers does), whose rounding would swamp the difference.
-    monkeypatch.setattr(Transformer, "rms_norm", lambda self, x, weight: weight * x * torch.rsqrt(
-        x.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps))
+    """Autograd through the policy's forward against a float64 central difference."""
+    # The model normalises in float32 (as transformers does), whose rounding would swamp the difference.
+    monkeypatch.setattr(policy_module, "rms_norm", lambda x, weight, eps: weight * x * torch.rsqrt(
+        x.pow(2).mean(-1, keepdim=True) + eps))
     policy = Policy(model_dir, dtype=torch.float64)
     tokens, prompt_lens, response_lens = batch()
 
     def objective():
-        return response_logprobs(policy, tokens, prompt_lens, response_lens).logprobs.sum()
+        return policy(tokens, prompt_lens, response_lens).logprobs.sum()
 
     objective().backward()
+    params = dict(policy.named_parameters())
     direction = {name: torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)), dtype=p.dtype)
-                 for name, p in policy.named_parameters()}
-    analytic = sum((p.grad * direction[name]).sum() for name, p in policy.named_parameters()).item()
-    eps, initial = 1e-6, {name: t.clone() for name, t in policy.named_weights().items()}
+                 for name, p in params.items()}
+    analytic = sum((p.grad * direction[name]).sum() for name, p in params.items()).item()
+    eps, initial = 1e-6, {name: p.detach().clone() for name, p in params.items()}
     values = []
     for sign in (1, -1):
-        policy.load_weights({name: t + sign * eps * direction[name] for name, t in initial.items()})
         with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(initial[name] + sign * eps * direction[name])
             values.append(objective().item())
     numeric = (values[0] - values[1]) / (2 * eps)
     assert numeric == pytest.approx(analytic, rel=1e-6)
 
 
-def test_save_pretrained_is_a_model_dir_the_engine_loads(model_dir, tmp_path):
-    policy = Policy(model_dir)
-    changed = {name: t + 0.01 for name, t in policy.named_weights().items()}
-    policy.load_weights(changed)
-    assert list(policy.named_weights()) == sorted(changed)
-    saved = policy.save_pretrained(tmp_path / "saved")
-    cfg, weights = load_model(saved)
-    assert cfg == ModelConfig.from_dir(model_dir)
-    assert all(torch.equal(weights[name], changed[name]) for name in changed)
-    assert json.loads((saved / "config.json").read_text()) == json.loads((model_dir / "config.json").read_text())
-    assert load_tokenizer(saved).to_str() == load_tokenizer(model_dir).to_str()
-    tokens = batch()[0]
-    with torch.no_grad():
-        assert torch.equal(Policy(saved)(tokens), policy(tokens))
+def test_chunked_logprobs_equal_the_full_computation_and_never_hold_all_logits():
+    g = torch.Generator().manual_seed(0)
+    tokens, hidden_size, vocab = 50, 16, 97
+    hidden = torch.randn(tokens, hidden_size, generator=g, requires_grad=True)
+    head = torch.randn(vocab, hidden_size, generator=g, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    weights = torch.randn(tokens, generator=g)  # a loss that weighs every token differently
+
+    full = torch.log_softmax(F.linear(hidden, head), -1)
+    expected = full.gather(-1, targets[:, None])[:, 0]
+    expected_entropy = -(full.exp() * full).sum(-1)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (hidden, head))
+
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        chosen, entropy = token_logprobs(hidden, head, targets, chunk=8)
+    grads = torch.autograd.grad((chosen * weights).sum(), (hidden, head))
+    assert (chosen - expected).abs().max().item() < 1e-5
+    assert (entropy - expected_entropy).abs().max().item() < 1e-5 and not entropy.requires_grad
+    for got, want in zip(grads, expected_grads):
+        assert (got - want).abs().max().item() < 1e-5
+    # What autograd keeps between forward and backward: the inputs, never a chunk's logits (8 x vocab), let
+    # alone all of them (tokens x vocab).
+    assert max(saved) == vocab * hidden_size
+    # Negative control: computed whole, the log-softmax of every token is kept.
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        torch.log_softmax(F.linear(hidden, head), -1)
+    assert max(saved) == tokens * vocab
 
 
-def test_load_weights_names_what_does_not_fit(model_dir):
-    policy = Policy(model_dir)
-    weights = policy.named_weights()
-    with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
-        policy.load_weights({k: v for k, v in weights.items() if k != "lm_head.weight"})
-    with pytest.raises(ValueError, match="weight model.norm.weight has shape"):
-        policy.load_weights({**weights, "model.norm.weight": torch.zeros(3)})
+def test_activation_checkpointing_changes_no_gradient(model_dir):
+    grads = []
+    for checkpointing in (False, True):
+        policy = Policy(model_dir, checkpointing=checkpointing)
+        tokens, prompt_lens, response_lens = batch()
+        policy(tokens, prompt_lens, response_lens).logprobs.sum().backward()
+        grads.append({name: p.grad for name, p in policy.named_parameters()})
+    assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])

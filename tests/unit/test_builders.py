@@ -41,7 +41,7 @@ def test_trainer_pod_is_owned_non_root_and_finds_its_generators():
     assert c["resources"] == {"requests": {"cpu": "4", "nvidia.com/gpu": 2}, "limits": {"nvidia.com/gpu": 2}}
     env = env_of(c)
     assert env["PAT_JOB_TOKEN"] == {"secretKeyRef": {"name": "arithmetic-grpo-token", "key": "token"}}
-    assert env["MASTER_ADDR"] == "arithmetic-grpo-trainer-0.arithmetic-grpo.team.svc" and env["NCCL_DEBUG"] == "INFO"
+    assert env["NCCL_DEBUG"] == "INFO" and env["OMP_NUM_THREADS"] == "2"  # 4 CPUs for its 2 ranks
     assert env["PAT_ATTEMPT"] == "3" and env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     args = c["args"]
     assert args[0] == "trainer" and args[args.index("--host") + 1] == "$(POD_IP)"
@@ -49,6 +49,55 @@ def test_trainer_pod_is_owned_non_root_and_finds_its_generators():
     assert {"name": "run", "persistentVolumeClaim": {"claimName": "ckpt"}} in spec["volumes"]
     assert spec["initContainers"][0]["args"][:1] == ["prepare"]  # the tiny model is built in the pod
 
+
+def launch_options(args: list[str]) -> dict[str, str]:
+    """A trainer pod's torch.distributed.run options: `trainer OPTIONS -- RANK_OPTIONS`."""
+    launch = args[1:args.index("--")]
+    return dict(zip(launch[::2], launch[1::2], strict=True))
+
+
+def test_trainer_pods_run_one_rank_per_gpu_through_torch_distributed_run():
+    j = job(trainer={"replicas": 2, "gpusPerPod": 4})
+    host0 = "arithmetic-grpo-trainer-0.arithmetic-grpo.team.svc"
+    for i in range(2):
+        (c,) = builders.pod(j, "u", "trainer", i, 0)["spec"]["containers"]
+        assert c["command"] == ["pat"] and c["args"][0] == "trainer"
+        assert launch_options(c["args"]) == {"--nnodes": "2", "--nproc-per-node": "4", "--node-rank": str(i),
+                                             "--master-addr": host0, "--master-port": "29500", "--max-restarts": "0"}
+        rank = c["args"][c["args"].index("--") + 1:]
+        assert rank[rank.index("--host") + 1] == "$(POD_IP)"  # rank 0 serves weights and metrics at the pod's IP
+        assert rank[rank.index("--metrics-port") + 1] == ("9100" if i == 0 else "0")
+        # torchrun sets the rank variables per process; no CPUs asked for: torchrun's thread default stays
+        assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS"} & env_of(c).keys()
+    cpu = job(trainer={"gpusPerPod": 0, "ranksPerPod": 3, "resources": {"requests": {"cpu": "7500m"}}})
+    (c,) = builders.pod(cpu, "u", "trainer", 0, 0)["spec"]["containers"]
+    assert launch_options(c["args"])["--nproc-per-node"] == "3" and launch_options(c["args"])["--nnodes"] == "1"
+    assert env_of(c)["OMP_NUM_THREADS"] == "2"  # 7.5 CPUs for 3 ranks
+    (c,) = builders.pod(job(), "u", "trainer", 0, 0)["spec"]["containers"]
+    assert launch_options(c["args"])["--nproc-per-node"] == "1"  # CPU without ranksPerPod: one rank
+
+
+def test_pat_trainer_hands_the_pod_command_to_torch_distributed_run(monkeypatch):
+    """What torch's own launcher makes of a trainer pod's command: 4 rank processes of the rank module on node 1
+    of 2, static rendezvous at trainer pod 0, no restarts."""
+    import sys
+
+    from torch.distributed import run
+
+    from pat_workers.cli import main as pat
+
+    (c,) = builders.pod(job(trainer={"replicas": 2, "gpusPerPod": 4}), "u", "trainer", 1, 0)["spec"]["containers"]
+    launched = []
+    monkeypatch.setattr(run, "main", launched.append)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # else config_from_args sets it in this process
+    assert pat(c["args"]) == 0
+    config, command, command_args = run.config_from_args(run.parse_args(launched[0]))
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node, config.max_restarts) == (2, 2, 4, 0)
+    assert config.rdzv_backend == "static" and config.rdzv_configs["rank"] == 1
+    assert config.rdzv_endpoint == "arithmetic-grpo-trainer-0.arithmetic-grpo.team.svc:29500"
+    rank_args = c["args"][c["args"].index("--") + 1:]
+    assert command == sys.executable and command_args == ["-u", "-m", "pat_workers.trainer", *rank_args]
+    assert pat(c["args"][:c["args"].index("--")]) == 2 and len(launched) == 1  # no `--`: nothing is started
 
 def test_generator_pod_has_probe_shm_and_the_adaptive_tp_settings():
     j = job(generator={"adaptiveTP": {"tpSizes": [1, 2], "minGain": 0.3, "controller": "operator"}})

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from pat_operator import crd
-from pat_operator.api import RLHFJobStatus, load_job
+from pat_operator.api import JobSpecError, RLHFJobStatus, load_job, parse_job as load_job_doc
 
 ROOT = Path(__file__).parents[2]
 CRD_FILE = ROOT / "crds" / "rlhfjobs.pat.dev.yaml"
@@ -408,11 +408,34 @@ def test_every_cel_rule_is_exercised_by_an_invalid_manifest():
 
 
 def test_cel_guards_keep_a_sparse_spec_valid():
-    """The rules test only fields that are set (the defaults live in the models): a minimal job passes."""
+    """The rules test only fields that are set, or take the models' defaults for them: a minimal job passes."""
     minimal = {"apiVersion": "pat.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "m"},
                "spec": {"model": {"tiny": {}}, "dataset": {"synthetic": {}}}}
     assert crd_errors(minimal, openapi_schema(), "") == []
     assert crd_errors(minimal, openapi_schema(), "", copy.deepcopy(minimal)) == []
+
+
+@pytest.mark.parametrize("trainer, prompts", [
+    ({"gpusPerPod": 0, "ranksPerPod": 4}, 4),  # ranksPerPod counts on CPU
+    ({"gpusPerPod": 8}, 8),  # one rank per GPU, replicas left at 1
+    ({"replicas": 2}, 2),  # gpusPerPod left at 1
+    ({"replicas": 3, "gpusPerPod": 0}, 3),  # no GPU: one rank per pod
+])
+def test_the_trainer_world_rule_counts_ranks_as_the_models_do(trainer, prompts):
+    """prompts x 2 samples >= 2 mini-batches x the trainer ranks: the least number of prompts passes the CEL rule and
+    the models, one fewer neither."""
+    for n, ok in ((prompts, True), (prompts - 1, False)):
+        doc = example()
+        doc["spec"]["trainer"] = trainer
+        doc["spec"]["algorithm"].update(promptsPerIteration=n, samplesPerPrompt=2, miniBatches=2)
+        errors = crd_errors(doc, openapi_schema(), "")
+        assert (errors == []) == ok, (n, errors)
+        try:
+            load_job_doc(doc)
+        except JobSpecError as e:
+            assert not ok and "trainer ranks" in str(e), e
+        else:
+            assert ok
 
 
 def test_the_readmes_configuration_reference_is_what_the_models_generate():

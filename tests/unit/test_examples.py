@@ -1,5 +1,5 @@
-"""Every example RLHFJob passes `pat validate` (the installed console script, as a user runs it), a broken copy does
-not, and the GPU examples' pods can reach the files their spec names."""
+"""Every example RLHFJob passes `pat validate` and fits its GPUs by `pat plan` (the installed console script, as a
+user runs it), a broken copy does not, and the GPU examples' pods can reach the files their spec names."""
 
 import subprocess
 import sys
@@ -30,6 +30,21 @@ def test_pat_validate_accepts_the_example(path):
     name = yaml.safe_load(path.read_text())["metadata"]["name"]
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"RLHFJob {name}: valid", out.stdout
+
+
+# The built-in shape of each example's model.path (its config.json is not here).
+SHAPES = {"llama-3.1-8b.yaml": "llama-3.1-8b", "qwen3-14b.yaml": "qwen3-14b"}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_pat_plan_fits_the_example_on_its_gpus(path):
+    """Each example fits (pat_operator.fit's estimate) the GPUs its pods select; local.yaml runs on CPU."""
+    model = ["--model", SHAPES[path.name]] if path.name in SHAPES else []
+    out = subprocess.run([str(PAT), "plan", str(path), *model], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    gpu_roles = sum(yaml.safe_load(path.read_text())["spec"][role].get("gpusPerPod", 1) > 0
+                    for role in ("trainer", "generator"))
+    assert out.stdout.count("  fits\n") == gpu_roles and out.stdout.count("CPU (no GPU") == 2 - gpu_roles
 
 
 @pytest.mark.parametrize(("edit", "expected"), [

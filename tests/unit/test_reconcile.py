@@ -151,6 +151,27 @@ def test_an_invalid_spec_fails_naming_the_field_and_creates_nothing():
     assert len(decide(Observed(body(), [], T0, "tok")).create_pods) == 3
 
 
+def test_a_tiny_model_too_large_for_its_gpus_fails_naming_the_field_and_creates_nothing():
+    """The operator knows a tiny preset's shape and the GPU of a nodeSelector: Llama-3.1-8B's shape with AdamW
+    does not fit one 80 GB GPU (pat_operator.fit)."""
+    def job(trainer_gpus: int) -> dict:
+        doc = body()
+        h100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        doc["spec"]["model"] = {"tiny": {"preset": "llama-8b"}, "dtype": "bfloat16"}
+        doc["spec"]["trainer"] = {"gpusPerPod": trainer_gpus, "nodeSelector": h100}
+        doc["spec"]["generator"].update(gpusPerPod=2, nodeSelector=h100)
+        del doc["spec"]["generator"]["ranksPerPod"]
+        return doc
+
+    d = step(job(1), [], T0)
+    assert d.create_pods == [] and d.ensure == [] and d.status["phase"] == "Failed"
+    failed = cond(d, "Failed")
+    assert failed["reason"] == "InvalidSpec" and failed["message"].startswith("ns/arithmetic-grpo does not fit:")
+    assert "spec.trainer.gpusPerPod: a trainer rank of tiny llama llama-8b needs" in failed["message"]
+    # Negative control: on 8 GPUs it fits, and the pods are created.
+    assert len(decide(Observed(job(8), [], T0, "tok")).create_pods) == 3
+
+
 def test_refused_creations_show_in_a_condition():
     doc = body()
     step(doc, [], T0)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from pat_operator import planner
+from pat_operator.fit import GPU, GPUS, SHAPES, ModelShape
 from pat_workers.cli import main as pat
 from pat_workers.sim import simulate as sim
-from pat_workers.sim.hardware import (GPU, GPUS, SHAPES, Efficiency, EngineCosts, Measured, ModelShape, Roofline,
-                                      SimError, hardware)
+from pat_workers.sim.hardware import Efficiency, EngineCosts, Measured, Roofline, SimError, hardware
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = 16
@@ -164,7 +164,8 @@ def test_the_command_on_a_job_and_a_preset(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--preset", "paper-gpt5"], "known: paper-llama8b, paper-qwen14b"),
-    (["--preset", "paper-llama8b", "--hardware", "TPU"], "not a built-in GPU (A100-80GB, H100-SXM, H200)"),
+    (["--preset", "paper-llama8b", "--hardware", "TPU"],
+     "not a built-in GPU (A100-40GB, A100-80GB, H100-PCIe, H100-SXM, H200, L40S)"),
     (["--preset", "paper-llama8b", "--model", "gpt2"], "--model 'gpt2' is unknown; known: llama-3.1-8b"),
     ([str(ROOT / "examples" / "llama-3.1-8b.yaml")], "pass --model-config /models/Llama-3.1-8B-Instruct/config.json"),
     ([], "give a job YAML or --preset NAME"),

@@ -2,10 +2,11 @@
 
   pat run JOB.yaml [--run-dir DIR] [--baseline]   an RLHFJob as local processes (what `make run` calls)
   pat validate JOB.yaml                           checks a job spec; prints each bad field and the fix
+  pat plan JOB.yaml [--model-config F] [--gpu G]  memory per GPU of trainer and generator ranks: will it fit?
   pat prepare --job JOB.yaml --model DIR          builds the job's tiny model into DIR (a pod's init container)
   pat simulate JOB.yaml | --preset NAME           adaptive TP vs fixed layouts under a GPU cost model (simulated)
   pat generator ...                               one generator pod (coordinator + engine ranks)
-  pat trainer ...                                 one trainer rank
+  pat trainer ... -- ...                          one trainer pod (its ranks through torch.distributed.run)
 """
 
 from __future__ import annotations
@@ -40,10 +41,14 @@ def _run(argv: list[str]) -> int:
 
 
 def _validate(argv: list[str]) -> int:
-    """Every document of the file must be an RLHFJob that the operator accepts (the same api.parse_job)."""
+    """Every document of the file must be an RLHFJob that the operator accepts (the same api.parse_job), and fit
+    its GPUs wherever the model's shape and the GPUs are known here (pat plan's check)."""
     import yaml
 
     from pat_operator.api import API_VERSION, KIND, parse_job
+    from pat_operator.fit import FitError, require_fit
+
+    from .plan import spec_shape
 
     ap = argparse.ArgumentParser(prog="pat validate", description="check RLHFJob manifests as the operator does")
     ap.add_argument("file", help="YAML with one or more RLHFJob documents")
@@ -65,7 +70,8 @@ def _validate(argv: list[str]) -> int:
                 raise JobSpecError(f"{source} is invalid:\n  kind: {kind!r} is not {KIND}; pat validate checks "
                                    f"RLHFJob documents only (apiVersion: {API_VERSION}, kind: {KIND})")
             job = parse_job(doc, source)
-        except JobSpecError as e:
+            require_fit(job.spec, source, spec_shape(job.spec))
+        except (JobSpecError, FitError) as e:
             print(e, file=sys.stderr)
             invalid += 1
             continue
@@ -89,20 +95,27 @@ def _prepare(argv: list[str]) -> int:
     return 0
 
 
+def _plan(argv: list[str]) -> int:
+    from .plan import main as plan
+    return plan(argv)
+
+
 def _simulate(argv: list[str]) -> int:
+    from pat_operator.fit import FitError
+
     from .sim.command import main as simulate
     from .sim.hardware import SimError
 
     try:
         return simulate(argv)
-    except SimError as e:
+    except (SimError, FitError) as e:
         print(f"pat simulate: {e}", file=sys.stderr)
         return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"run": _run, "validate": _validate, "prepare": _prepare, "simulate": _simulate}
+    commands = {"run": _run, "validate": _validate, "plan": _plan, "prepare": _prepare, "simulate": _simulate}
     if not argv or argv[0] not in (*commands, "generator", "trainer"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
@@ -112,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             from .generator.__main__ import main as generator
             return generator(rest) or 0
         if command == "trainer":
-            from .trainer.loop import main as trainer
+            from .trainer.launch import main as trainer
             return trainer(rest) or 0
         return commands[command](rest)
     except JobSpecError as e:

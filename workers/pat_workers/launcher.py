@@ -1,8 +1,9 @@
 """`pat run JOB.yaml`: an RLHFJob as local processes -- the gang the operator runs as pods, on one machine.
 
 Prepares the run folder (validated job, tiny model with its tokenizer, job token), starts the generator pods and
-then the trainer ranks, and supervises them as one gang: when any process fails, every process is stopped and
-the gang starts again (at most spec.runPolicy.backoffLimit times); the trainer resumes from its last checkpoint.
+then the trainer pods (each `pat trainer`: torch.distributed.run and the pod's ranks), and supervises them as one
+gang: when any process fails, every process is stopped and the gang starts again (at most
+spec.runPolicy.backoffLimit times); the trainer resumes from its last checkpoint.
 While it runs it polls the pods' state (the layout timeline) and shows progress; at the end it writes the
 summary and plots (report.py).
 """
@@ -138,13 +139,12 @@ class LocalRun:
         return gang
 
     def _start_trainers(self, gang: Gang) -> None:
-        n, master = self.spec.trainer.replicas, free_port()
-        for rank in range(n):
-            self._spawn(gang, f"trainer-{rank}", trainer_args(
+        master = free_port()
+        for i in range(self.spec.trainer.replicas):
+            self._spawn(gang, f"trainer-{i}", trainer_args(
                 self.spec, str(self.run_dir / "job.yaml"), str(self.model), str(self.run_dir), gang.pods,
-                "127.0.0.1", token_file=str(self.run_dir / "token")),
-                {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(master), "PAT_ATTEMPT": str(gang.attempt)})
+                "127.0.0.1", i, "127.0.0.1", master, token_file=str(self.run_dir / "token")),
+                {"PAT_ATTEMPT": str(gang.attempt)})
 
     async def _attempt(self, attempt: int, bar: tqdm | None) -> str | None:
         """Runs one gang until the trainer finishes (None) or a process fails (the reason)."""

@@ -10,8 +10,11 @@ One round (one `send`, one `receive` on every generator rank):
   2. the sender publishes the manifest: version, dtype, every tensor's name and shape in sorted(name) order;
   3. each receiver checks the manifest against its replica, and one all-reduce of the refusals decides: if any
      rank refuses, every rank stops before a byte moves (WeightSyncError, nothing changed);
-  4. every tensor is broadcast from rank 0, in sorted(name) order, into the receivers' tensors in place (TP
-     shards are views of them, so every layout sees the new weights without a copy).
+  4. the tensors are broadcast from rank 0 in sorted(name) order, in buckets of consecutive tensors of at most
+     the manifest's bucket_bytes (one broadcast per bucket; a tensor larger than that goes alone, straight into
+     the receivers' tensor), and copied into the receivers' tensors in place (TP shards are views of them, so
+     every layout sees the new weights). The sender streams: it takes each full tensor from an iterator (the
+     trainer gathers them one at a time from its FSDP shards) and holds at most one bucket.
 A failure inside step 4 (a peer died mid-transfer) leaves the receivers' weights half-updated: it is raised as
 is, and the pod must restart.
 """
@@ -20,12 +23,15 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 STORE_PREFIX = "pat-weights/"
 BACKENDS = ("gloo", "nccl")
+BUCKET_BYTES = 256 << 20
 
 
 class WeightSyncError(RuntimeError):
@@ -50,6 +56,21 @@ def _group(store: dist.Store, rank: int, world: int, backend: str, timeout: date
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world, options)
     return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+def buckets(tensors: list[list], itemsize: int, limit: int) -> list[list[int]]:
+    """Indices of the manifest's [name, shape] entries grouped into consecutive buckets of at most `limit` bytes
+    (a larger tensor is a bucket of its own). Both ends compute the same grouping from the manifest."""
+    out: list[list[int]] = []
+    size = limit
+    for i, (_, shape) in enumerate(tensors):
+        n = math.prod(shape) * itemsize
+        if size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += n
+    return out
 
 
 def _device(backend: str) -> torch.device:
@@ -96,15 +117,16 @@ class WeightSender(_Member):
         super().__init__(store, 0, world, backend, timeout)
         self.address = f"{host}:{store.port}"
 
-    def send(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        """Broadcasts every tensor of `weights` (the full replica, HF names), cast to the receivers' dtype."""
+    def send(self, shapes: Mapping[str, Sequence[int]], tensors: Iterable[tuple[str, torch.Tensor]],
+             version: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+        """Broadcasts the full replica: `shapes` names every tensor, `tensors` yields (name, full tensor) in
+        sorted-name order, each cast to the receivers' dtype as it is sent."""
         prefix = self._begin()
         receivers = range(1, self.world)
         self.store.wait([f"{prefix}dtype/{r}" for r in receivers], self.timeout)
         dtypes = {self.store.get(f"{prefix}dtype/{r}").decode() for r in receivers}
-        names = sorted(weights)
-        manifest = {"version": version, "dtype": sorted(dtypes)[0],
-                    "tensors": [[name, list(weights[name].shape)] for name in names]}
+        manifest = {"version": version, "dtype": sorted(dtypes)[0], "bucket_bytes": bucket_bytes,
+                    "tensors": [[name, list(shapes[name])] for name in sorted(shapes)]}
         self.store.set(f"{prefix}manifest", json.dumps(manifest))
         refusals = self._refusals(len(dtypes) > 1)
         if refusals:
@@ -114,9 +136,17 @@ class WeightSender(_Member):
                 reasons.append(f"the generator ranks hold different dtypes {sorted(dtypes)}; use one dtype per job")
             raise WeightSyncError(f"weight version {version} refused: " + "; ".join(reasons))
         dtype, device = getattr(torch, manifest["dtype"]), _device(self.backend)
+        stream = iter(tensors)
         with torch.no_grad():
-            for name in names:
-                self._broadcast(weights[name].detach().to(device=device, dtype=dtype).contiguous())
+            for bucket in buckets(manifest["tensors"], dtype.itemsize, bucket_bytes):
+                parts = []
+                for i in bucket:
+                    name, tensor = next(stream)
+                    if name != manifest["tensors"][i][0]:
+                        raise ValueError(f"weight {name} sent where {manifest['tensors'][i][0]} was announced: "
+                                         f"tensors must come in sorted-name order")
+                    parts.append(tensor.detach().to(device=device, dtype=dtype).reshape(-1))
+                self._broadcast(parts[0] if len(parts) == 1 else torch.cat(parts))
 
     def close(self) -> None:
         if self.group is not None:
@@ -146,8 +176,18 @@ class WeightReceiver(_Member):
             self.store.set(f"{prefix}refused/{self.rank}", f"rank {self.rank}: {problem}")
         if self._refusals(problem is not None):
             raise WeightSyncError(problem or f"weight version {manifest['version']} refused by another rank")
-        for name in sorted(weights):
-            self._broadcast(weights[name])
+        entries = manifest["tensors"]
+        with torch.no_grad():
+            for bucket in buckets(entries, weights[entries[0][0]].element_size(), manifest["bucket_bytes"]):
+                names = [entries[i][0] for i in bucket]
+                if len(names) == 1:
+                    self._broadcast(weights[names[0]])
+                    continue
+                flat = torch.empty(sum(weights[n].numel() for n in names), dtype=weights[names[0]].dtype,
+                                   device=weights[names[0]].device)
+                self._broadcast(flat)
+                for name, part in zip(names, flat.split([weights[n].numel() for n in names])):
+                    weights[name].copy_(part.view_as(weights[name]))
 
     @staticmethod
     def _check(manifest: dict, weights: dict[str, torch.Tensor], version: int) -> str | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pat_operator.fit import ModelShape
 from pat_operator.layout import tp_degrees
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -62,26 +63,25 @@ class ModelConfig:
             )
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        attention_bias = bool(hf.get("attention_bias", False))
+        shape = ModelShape.from_hf(hf, model_type)  # the families' biases and norms, as pat plan counts them
         return cls(
             model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            vocab_size=shape.vocab,
+            hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate,
+            num_layers=shape.layers,
+            num_heads=shape.heads,
+            num_kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases; Llama and Qwen3 follow attention_bias (Llama also on o_proj).
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=shape.tied_embeddings,
+            qkv_bias=shape.qkv_bias,
+            o_bias=shape.o_bias,
+            mlp_bias=shape.mlp_bias,
+            qk_norm=shape.qk_norm,
             eos_token_ids=eos_ids,
         )
 
@@ -99,11 +99,3 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
-
-    @property
-    def num_params(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * h * i + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
@@ -31,6 +32,15 @@ def load_weights(path: str | Path, dtype: torch.dtype, device: str | torch.devic
         for name, tensor in load_file(str(file), device=str(device)).items():
             tensors[name] = tensor.to(dtype)
     return tensors
+
+
+def weight_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, read from the files' headers (no weight is loaded)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in _weight_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+    return shapes
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):

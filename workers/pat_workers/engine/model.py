@@ -8,14 +8,14 @@ Two all-reduces per layer (after o_proj and down_proj) and one all-gather of voc
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .comm import Communicator, SoloCommunicator
+from .comm import Communicator
 from .config import ModelConfig
-from .kv import KVCache
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -34,6 +34,27 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         inv_freq = torch.where(medium, smoothed, scaled)
     return inv_freq.float()
+
+
+def rope_tables(cfg: ModelConfig, length: int, device: torch.device | str, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [length, head_dim] of positions 0..length-1."""
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), rope_inv_freq(cfg))
+    emb = torch.cat([freqs, freqs], dim=-1).to(device)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers does it: normalise in float32, cast back, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
 
 
 @dataclass
@@ -58,6 +79,44 @@ class LayerShard:
     k_norm: torch.Tensor | None = None
 
 
+def layer_shard(w: Mapping[str, torch.Tensor], prefix: str, q_rows: slice = slice(None),
+                kv_rows: slice = slice(None), mlp_rows: slice = slice(None)) -> LayerShard:
+    """One layer's weights under `prefix` (Hugging Face names), sliced to a TP shard's rows: views, no copies."""
+    def get(name: str, rows: slice | None = None) -> torch.Tensor | None:
+        t = w.get(prefix + name)
+        return t if t is None or rows is None else t[rows]
+
+    return LayerShard(
+        input_norm=get("input_layernorm.weight"), post_norm=get("post_attention_layernorm.weight"),
+        wq=get("self_attn.q_proj.weight", q_rows), wk=get("self_attn.k_proj.weight", kv_rows),
+        wv=get("self_attn.v_proj.weight", kv_rows), wo=w[prefix + "self_attn.o_proj.weight"][:, q_rows],
+        w_gate=get("mlp.gate_proj.weight", mlp_rows), w_up=get("mlp.up_proj.weight", mlp_rows),
+        w_down=w[prefix + "mlp.down_proj.weight"][:, mlp_rows],
+        bq=get("self_attn.q_proj.bias", q_rows), bk=get("self_attn.k_proj.bias", kv_rows),
+        bv=get("self_attn.v_proj.bias", kv_rows), bo=get("self_attn.o_proj.bias"),
+        b_gate=get("mlp.gate_proj.bias", mlp_rows), b_up=get("mlp.up_proj.bias", mlp_rows),
+        b_down=get("mlp.down_proj.bias"), q_norm=get("self_attn.q_norm.weight"), k_norm=get("self_attn.k_norm.weight"))
+
+
+def attention_inputs(cfg: ModelConfig, layer: LayerShard, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, T, heads, d], k and v [B, T, kv_heads, d] of normed hidden states h [B, T, hidden], RoPE applied
+    (cos and sin broadcast to [B, T, 1, d])."""
+    b, t, _ = h.shape
+    q = F.linear(h, layer.wq, layer.bq).view(b, t, heads, cfg.head_dim)
+    k = F.linear(h, layer.wk, layer.bk).view(b, t, kv_heads, cfg.head_dim)
+    v = F.linear(h, layer.wv, layer.bv).view(b, t, kv_heads, cfg.head_dim)
+    if layer.q_norm is not None:
+        q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
+def mlp(layer: LayerShard, h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU without the down projection's bias (added once, after a TP all-reduce)."""
+    return F.linear(F.silu(F.linear(h, layer.w_gate, layer.b_gate)) * F.linear(h, layer.w_up, layer.b_up),
+                    layer.w_down)
+
+
 @dataclass
 class Shard:
     """What one rank of a TP group computes with: views of the replica, never copies."""
@@ -79,10 +138,7 @@ class Transformer:
         self.device = weights["model.embed_tokens.weight"].device
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.lm_head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(cfg))
-        emb = torch.cat([freqs, freqs], dim=-1).to(self.device)
-        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, self.device, self.dtype)
 
     def check_tp(self, tp: int) -> None:
         cfg = self.cfg
@@ -92,46 +148,16 @@ class Transformer:
 
     def shard(self, tp: int, index: int) -> Shard:
         self.check_tp(tp)
-        cfg, w, d = self.cfg, self.w, self.cfg.head_dim
+        cfg, d = self.cfg, self.cfg.head_dim
         hq, hkv, inter = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.intermediate_size // tp
         q_rows = slice(index * hq * d, (index + 1) * hq * d)
         kv_rows = slice(index * hkv * d, (index + 1) * hkv * d)
         mlp_rows = slice(index * inter, (index + 1) * inter)
-
-        def get(name: str, rows: slice | None = None) -> torch.Tensor | None:
-            t = w.get(name)
-            return t if t is None or rows is None else t[rows]
-
-        layers = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            layers.append(LayerShard(
-                input_norm=w[p + "input_layernorm.weight"], post_norm=w[p + "post_attention_layernorm.weight"],
-                wq=w[p + "self_attn.q_proj.weight"][q_rows], wk=w[p + "self_attn.k_proj.weight"][kv_rows],
-                wv=w[p + "self_attn.v_proj.weight"][kv_rows], wo=w[p + "self_attn.o_proj.weight"][:, q_rows],
-                w_gate=w[p + "mlp.gate_proj.weight"][mlp_rows], w_up=w[p + "mlp.up_proj.weight"][mlp_rows],
-                w_down=w[p + "mlp.down_proj.weight"][:, mlp_rows],
-                bq=get(p + "self_attn.q_proj.bias", q_rows), bk=get(p + "self_attn.k_proj.bias", kv_rows),
-                bv=get(p + "self_attn.v_proj.bias", kv_rows), bo=get(p + "self_attn.o_proj.bias"),
-                b_gate=get(p + "mlp.gate_proj.bias", mlp_rows), b_up=get(p + "mlp.up_proj.bias", mlp_rows),
-                b_down=get(p + "mlp.down_proj.bias"),
-                q_norm=get(p + "self_attn.q_norm.weight"), k_norm=get(p + "self_attn.k_norm.weight"),
-            ))
+        layers = [layer_shard(self.w, f"model.layers.{i}.", q_rows, kv_rows, mlp_rows) for i in range(cfg.num_layers)]
         sharded = cfg.vocab_size % tp == 0
         vocab = cfg.vocab_size // tp
         lm_head = self.lm_head[index * vocab:(index + 1) * vocab] if sharded else self.lm_head
         return Shard(tp, index, hq, hkv, index * hkv, layers, lm_head, sharded)
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # As transformers does it: normalise in float32, cast back, then scale.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return weight * xf.to(x.dtype)
-
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
 
     def forward(self, shard: Shard, comm: Communicator, tokens: torch.Tensor, start: torch.Tensor,
                 k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], length: int | None = None,
@@ -154,40 +180,21 @@ class Transformer:
         rows = torch.arange(b, device=tokens.device)[:, None]
         x = self.w["model.embed_tokens.weight"][tokens]
         for layer, k_all, v_all in zip(shard.layers, k_cache, v_cache):
-            h = self.rms_norm(x, layer.input_norm)
-            q = F.linear(h, layer.wq, layer.bq).view(b, t, shard.num_heads, d)
-            k = F.linear(h, layer.wk, layer.bk).view(b, t, shard.num_kv_heads, d)
-            v = F.linear(h, layer.wv, layer.bv).view(b, t, shard.num_kv_heads, d)
-            if layer.q_norm is not None:
-                q, k = self.rms_norm(q, layer.q_norm), self.rms_norm(k, layer.k_norm)
-            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            q, k, v = attention_inputs(cfg, layer, h, cos, sin, shard.num_heads, shard.num_kv_heads)
             k_all[rows, :, positions] = k  # [B, T, H, d] into [B, H, S, d] at (b, :, pos)
             v_all[rows, :, positions] = v
             attn = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k_all[:, :, :length], v_all[:, :, :length], attn_mask=mask, enable_gqa=True)
             out = F.linear(attn.transpose(1, 2).reshape(b, t, shard.num_heads * d), layer.wo)
             x = x + self._reduced(comm, out, layer.bo)
-            h = self.rms_norm(x, layer.post_norm)
-            mlp = F.linear(F.silu(F.linear(h, layer.w_gate, layer.b_gate)) * F.linear(h, layer.w_up, layer.b_up),
-                           layer.w_down)
-            x = x + self._reduced(comm, mlp, layer.b_down)
+            x = x + self._reduced(comm, mlp(layer, rms_norm(x, layer.post_norm, cfg.rms_norm_eps)), layer.b_down)
         if not all_positions:
             x = x[:, -1] if last is None else x[rows[:, 0], last]
-        logits = F.linear(self.rms_norm(x, self.w["model.norm.weight"]), shard.lm_head)
+        logits = F.linear(rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps), shard.lm_head)
         if shard.lm_head_sharded and comm.size > 1:
             logits = torch.cat(comm.all_gather(logits.contiguous()), dim=-1)
         return logits
-
-    def causal_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, vocab] at every position of rows [B, T] run from position 0 at TP=1 (right padding
-        cannot reach earlier positions). No cache outlives the call, and the shard's views are built here, so
-        the result is differentiable in whatever tensors `weights` holds (the trainer's parameters)."""
-        b, t = tokens.shape
-        cache = KVCache.allocate(self.cfg, slots=b, kv_heads=self.cfg.num_kv_heads, max_seq=t, dtype=self.dtype,
-                                 device=tokens.device)
-        start = torch.zeros(b, dtype=torch.long, device=tokens.device)
-        return self.forward(self.shard(1, 0), SoloCommunicator(0), tokens, start, cache.k, cache.v,
-                            all_positions=True)
 
     @staticmethod
     def _reduced(comm: Communicator, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from ..presets import PRESETS, hf_config
+from pat_operator.fit import PRESETS, hf_config
 from .loader import save_weights
 
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")
@@ -80,7 +80,8 @@ def random_weights(cfg: dict[str, Any], seed: int, device: str | torch.device = 
         if cfg["model_type"] == "qwen3":
             w[p + "self_attn.q_norm.weight"] = norm(d)
             w[p + "self_attn.k_norm.weight"] = norm(d)
-    w["lm_head.weight"] = linear(vocab, h, gain=lm_head_gain)
+    if not cfg.get("tie_word_embeddings"):  # tied: the embedding is the head, as Hugging Face writes it
+        w["lm_head.weight"] = linear(vocab, h, gain=lm_head_gain)
     return w
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from pat_operator.api import RLHFJob, load_job
+from pat_operator.fit import GPU_PRODUCT_LABEL, GPUS, SHAPES, ModelShape, read_shape, selected_gpu, tiny_shape
 
-from .hardware import GPUS, SHAPES, ModelShape, Roofline, SimError, StepCosts, hardware, read_shape, tiny_shape
+from .hardware import Roofline, SimError, StepCosts, hardware
 from .lengths import deepscaler_lengths, read_lengths
 from .report import Trainer, compare, plots, summary, table
 from .simulate import Scenario
@@ -49,7 +50,6 @@ class Setup:
 
 PRESETS = {"paper-llama8b": Preset("llama-3.1-8b", 8192), "paper-qwen14b": Preset("qwen3-14b", 16384)}
 TRAINER_GPUS = 8  # a preset's trainer: one pod of 8 GPUs of the generator's type
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -161,9 +161,10 @@ def _from_job(args: argparse.Namespace) -> Setup:
 
 
 def _gpu_of(node_selector: dict[str, str]) -> str:
-    """The built-in GPU a job's generator nodes are selected for (GPU feature discovery's product label), else H200."""
-    product = node_selector.get(GPU_PRODUCT_LABEL, "")
-    return next((name for name in GPUS if name.split("-")[0] in product), "H200")
+    """The built-in GPU a job's generator nodes are selected for (GPU feature discovery's product label), H200
+    without the label; FitError for a label the table does not know."""
+    selected = selected_gpu(node_selector)
+    return "H200" if selected is None else selected.name
 
 
 def _shape(args: argparse.Namespace) -> ModelShape | None:

@@ -20,10 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from pat_operator.layout import tp_degrees
+from pat_operator.fit import GPU, GPUS, ModelShape
 from pat_operator.planner import Profile
-
-from ..presets import PRESETS, hf_config
 
 BF16 = 2  # bytes per weight and per KV element
 PREFILL_LENGTHS = (16, 128)  # as the engine's profiling pass (engine/costs.py) measures prefill
@@ -35,30 +33,6 @@ class SimError(ValueError):
 
 
 @dataclass(frozen=True)
-class GPU:
-    name: str
-    memory_bytes: float
-    hbm_bytes_per_s: float
-    bf16_flops: float  # dense
-    link_bytes_per_s: float  # NVLink, one direction per GPU
-    link_latency_s: float  # one small all-reduce (an assumption: datasheets give no latency)
-    source: str
-
-
-GPUS: dict[str, GPU] = {g.name: g for g in (
-    GPU("A100-80GB", 80e9, 2.039e12, 312e12, 300e9, 10e-6,
-        "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): HBM2e 2,039 GB/s, BF16 312 TFLOPS dense, "
-        "NVLink 600 GB/s (both directions)"),
-    GPU("H100-SXM", 80e9, 3.35e12, 989e12, 450e9, 8e-6,
-        "NVIDIA H100 Tensor Core GPU datasheet (SXM5): HBM3 3.35 TB/s, BF16 1,979 TFLOPS with sparsity (989 "
-        "dense), NVLink 900 GB/s (both directions)"),
-    GPU("H200", 141e9, 4.8e12, 989e12, 450e9, 8e-6,
-        "NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e at 4.8 TB/s, BF16 1,979 TFLOPS with sparsity "
-        "(989 dense), NVLink 900 GB/s (both directions)"),
-)}
-
-
-@dataclass(frozen=True)
 class Efficiency:
     """Assumptions, not measurements: the fractions of the datasheet peaks that serving kernels reach."""
     memory: float = 0.8  # of HBM bandwidth (decode GEMV and attention kernels)
@@ -66,76 +40,6 @@ class Efficiency:
     link: float = 0.8  # of NVLink bandwidth (ring all-reduce, KV moves)
     step_overhead_s: float = 0.5e-3  # per step: scheduling, sampling, kernel launches
     memory_reserve: float = 0.1  # of HBM kept from the KV cache: activations, CUDA graphs, fragmentation
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied_embeddings: bool = False
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any], name: str) -> ModelShape:
-        """From a Hugging Face config.json (Llama, Qwen2, Qwen3)."""
-        try:
-            heads = int(cfg["num_attention_heads"])
-            return cls(name, int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"]),
-                       heads, int(cfg.get("num_key_value_heads") or heads),
-                       int(cfg.get("head_dim") or cfg["hidden_size"] // heads), int(cfg["vocab_size"]),
-                       bool(cfg.get("tie_word_embeddings", False)))
-        except KeyError as e:
-            raise SimError(f"{name}: config.json lacks {e.args[0]}; give a Hugging Face config.json of a Llama/Qwen "
-                           f"model") from None
-
-    @property
-    def layer_params(self) -> int:
-        h, d = self.hidden, self.head_dim
-        return h * d * (2 * self.heads + 2 * self.kv_heads) + 3 * h * self.intermediate
-
-    @property
-    def matmul_params(self) -> int:
-        """Weights every token multiplies with: the layers and the LM head (not the embedding lookup)."""
-        return self.layers * self.layer_params + self.vocab * self.hidden
-
-    @property
-    def params(self) -> int:
-        return self.matmul_params + (0 if self.tied_embeddings else self.vocab * self.hidden)
-
-    def kv_bytes_per_token(self, element_size: int = BF16) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * element_size
-
-    def tp_sizes(self, world: int) -> list[int]:
-        """As the engine allows: powers of two dividing the pod's ranks, the KV heads and the MLP width."""
-        return [t for t in tp_degrees(world) if self.kv_heads % t == 0 and self.intermediate % t == 0]
-
-
-# From the models' published config.json (meta-llama/Llama-3.1-8B, Qwen/Qwen3-14B on Hugging Face).
-SHAPES: dict[str, ModelShape] = {s.name: s for s in (
-    ModelShape("llama-3.1-8b", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128,
-               vocab=128256),
-    ModelShape("qwen3-14b", hidden=5120, intermediate=17408, layers=40, heads=40, kv_heads=8, head_dim=128,
-               vocab=151936),
-)}
-
-
-def tiny_shape(preset: str, family: str = "llama") -> ModelShape:
-    if preset not in PRESETS:
-        raise SimError(f"model.tiny.preset={preset!r} is unknown; known: {sorted(PRESETS)}")
-    return ModelShape.from_hf(hf_config(family, **PRESETS[preset]), f"tiny {family} {preset}")
-
-
-def read_shape(path: Path) -> ModelShape:
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SimError(f"--model-config {path}: {e}; give a Hugging Face config.json") from None
-    return ModelShape.from_hf(cfg, path.parent.name or str(path))
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pat_operator.fit import GPU, ModelShape
 from pat_operator.layout import describe
 
 from ..report import save_figure
-from .hardware import GPU, ModelShape, StepCosts
+from .hardware import StepCosts
 from .simulate import POLICIES, Result, Scenario, fixed
 
 FLOPS_PER_PARAM_TOKEN = 8  # policy forward + backward (6) and one more forward for the old/reference logprobs (2)

@@ -38,36 +38,37 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str,
-              max_response_tokens: int | None = None, token_normalizer: float | None = None) -> torch.Tensor:
+               max_response_tokens: int | None = None, totals: tuple[float, float] | None = None) -> torch.Tensor:
     """One scalar from per-token values [N, T]:
-    token-mean: sum / token count (`token_normalizer` replaces the count, see policy_loss);
+    token-mean: sum / token count;
     seq-mean-token-mean: the mean over sequences of each sequence's token mean;
-    seq-mean-token-sum-norm (Dr. GRPO): sum / (N * max_response_tokens), no length bias."""
+    seq-mean-token-sum-norm (Dr. GRPO): sum / (N * max_response_tokens), no length bias.
+    The counts are `totals` = (tokens, sequences) when given (see policy_loss), else this batch's own."""
     mask = mask.to(per_token.dtype)
+    tokens, sequences = totals or (mask.sum().clamp(min=1), per_token.shape[0])
     if aggregation == "token-mean":
-        count = mask.sum().clamp(min=1) if token_normalizer is None else token_normalizer
-        return (per_token * mask).sum() / count
+        return (per_token * mask).sum() / tokens
     if aggregation == "seq-mean-token-mean":
-        return ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+        return ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / sequences
     if aggregation == "seq-mean-token-sum-norm":
         if max_response_tokens is None:
             raise ValueError("aggregation='seq-mean-token-sum-norm' divides by N * max_response_tokens; pass "
                              "max_response_tokens (algorithm.maxResponseTokens)")
-        return (per_token * mask).sum() / (per_token.shape[0] * max_response_tokens)
+        return (per_token * mask).sum() / (sequences * max_response_tokens)
     raise ValueError(f"aggregation={aggregation!r} is unknown; use one of {AGGREGATIONS}")
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, *, clip_ratio: float, ref_logprobs: torch.Tensor | None = None,
                 kl_coef: float = 0.0, aggregation: str = "token-mean", max_response_tokens: int | None = None,
-                token_normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                totals: tuple[float, float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped surrogate per token, max(-A r, -A clip(r, 1-c, 1+c)) with r = exp(logprobs - old), plus
     kl_coef * k3 (exp(ref - new) - (ref - new) - 1, an unbiased, non-negative KL(new || ref) estimate) when
     kl_coef > 0, aggregated over the masked tokens. `advantages` is [N] (one per sequence) or [N, T].
 
-    Under DDP the ranks' gradients are averaged, which makes each rank's token-mean weigh its own tokens by
-    1 / (its count). For the whole batch's token-mean pass token_normalizer = (token count over all ranks) /
-    world size; the sequence-level aggregations are exact when ranks hold equally many sequences.
+    A batch that is one part of a larger one (a micro-batch on one rank) passes the whole batch's totals =
+    (response tokens, sequences): its loss is then its share, and the parts' losses (and gradients) sum to the
+    whole batch's, whichever way it was split.
 
     Returns the loss and float stats: loss, pg_loss, kl (token mean of k3; 0 without ref_logprobs),
     clip_fraction (share of tokens where the clipped term won), ratio_mean.
@@ -91,19 +92,14 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         kl_per_token = torch.exp(log_ratio) - log_ratio - 1
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl_per_token
-    loss = _aggregate(per_token, mask, aggregation, max_response_tokens, token_normalizer)
+    loss = _aggregate(per_token, mask, aggregation, max_response_tokens, totals)
     with torch.no_grad():
         stats = {
             "loss": loss.item(),
-            "pg_loss": _aggregate(pg_per_token, mask, aggregation, max_response_tokens, token_normalizer).item(),
+            "pg_loss": _aggregate(pg_per_token, mask, aggregation, max_response_tokens, totals).item(),
             "kl": 0.0 if kl_per_token is None else _masked_mean(kl_per_token, mask).item(),
             "clip_fraction": _masked_mean((clipped > unclipped).float(), mask).item(),
             "ratio_mean": _masked_mean(ratio, mask).item(),
         }
     return loss, stats
 
-
-def entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean entropy (nats) of the next-token distributions [N, T, V] over the masked tokens (for logging)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return _masked_mean(-(logp.exp() * logp).sum(dim=-1), mask)

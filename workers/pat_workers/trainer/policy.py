@@ -1,115 +1,163 @@
-"""The trained policy: a model directory's weights as torch Parameters, computed by the engine's Transformer.
+"""The trained policy: a model directory's weights as torch Parameters, computed with the engine's layer maths.
 
-One model implementation serves generation and training: the forward here is engine/model.py's, run over
-the Parameters (model.Transformer.causal_logits), so what the trainer optimises is what the generator samples.
+One model implementation serves generation and training: each transformer block here runs engine/model.py's
+functions (attention inputs, SwiGLU) over its own Parameters, with causal scaled_dot_product_attention (flash on
+GPUs) instead of the engine's KV cache, so what the trainer optimises is what the generator samples.
+
+For training at scale the policy is sharded with FSDP2 (`sharded_policy`): `fully_shard` per block and at the
+root, each block optionally recomputing its activations in the backward pass; the log-probabilities are
+computed a chunk of tokens at a time (`token_logprobs`), so no [tokens, vocab] logits tensor ever exists.
 """
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 
-from ..engine.loader import INDEX_FILE, load_model, save_weights
-from ..engine.model import Transformer
-from .grpo import entropy
+from pat_operator.fit import LOSS_CHUNK_TOKENS
+
+from ..engine.config import ModelConfig
+from ..engine.loader import load_weights, weight_shapes
+from ..engine.model import attention_inputs, layer_shard, mlp, rms_norm, rope_tables
+
+
+class ResponseLogprobs(NamedTuple):
+    logprobs: torch.Tensor  # [B, R]: log p(token | prefix) of each response token; 0 past a response's end
+    mask: torch.Tensor  # [B, R] bool: True at response tokens
+    entropy: torch.Tensor  # [B, R]: next-token entropy at each response token (detached, for logging); 0 past
+
+
+class Block(torch.nn.Module):
+    """model.layers.N: its Parameters are the Hugging Face ones under that prefix (self_attn.q_proj.weight, ...).
+    An FSDP2 unit: its parameters are gathered only while it runs."""
+
+    def __init__(self, cfg: ModelConfig, checkpointing: bool):
+        super().__init__()
+        self.cfg, self.checkpointing = cfg, checkpointing
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing and torch.is_grad_enabled():  # keep the input only; recompute the rest backward
+            return checkpoint(self._layer, x, cos, sin, use_reentrant=False)
+        return self._layer(x, cos, sin)
+
+    def _layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cfg, (b, t, _) = self.cfg, x.shape
+        layer = layer_shard(dict(self.named_parameters()), "")  # read here: FSDP swaps in the gathered weights
+        q, k, v = attention_inputs(cfg, layer, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin,
+                                   cfg.num_heads, cfg.num_kv_heads)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True, enable_gqa=True)
+        x = x + F.linear(attn.transpose(1, 2).reshape(b, t, -1), layer.wo, layer.bo)
+        out = mlp(layer, rms_norm(x, layer.post_norm, cfg.rms_norm_eps))
+        return x + out if layer.b_down is None else x + out + layer.b_down
 
 
 class Policy(torch.nn.Module):
     """Parameters named as Hugging Face names them: each dotted name is a path of submodules, so that
     named_parameters() and state_dict() give the Hugging Face names (model.layers.0.mlp.up_proj.weight).
 
-    The device is fixed at construction (the engine's RoPE tables live there). A frozen reference policy is
-    Policy(path).requires_grad_(False).
+    device="meta" builds the structure without reading the weights (for FSDP2: shard first, then load).
+    A frozen reference policy is Policy(path).requires_grad_(False).
     """
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", checkpointing: bool = False):
         super().__init__()
         self.model_dir = Path(model_dir)
-        self.config, weights = load_model(model_dir, dtype, device)
+        self.config = ModelConfig.from_dir(model_dir)
+        if torch.device(device).type == "meta":
+            weights = {name: torch.empty(shape, dtype=dtype, device="meta")
+                       for name, shape in weight_shapes(model_dir).items()}
+        else:
+            weights = load_weights(model_dir, dtype, device)
         for name in sorted(weights):
             *path, leaf = name.split(".")
             module: torch.nn.Module = self
-            for part in path:
+            for i, part in enumerate(path):
                 if part not in module._modules:
-                    module.add_module(part, torch.nn.Module())
+                    is_block = path[:i] == ["model", "layers"]
+                    module.add_module(part, Block(self.config, checkpointing) if is_block else torch.nn.Module())
                 module = module._modules[part]
             module.register_parameter(leaf, torch.nn.Parameter(weights[name]))
-        # The engine reads the Parameters themselves: its views (built per forward) carry their gradients.
-        self.transformer = Transformer(self.config, dict(self.named_parameters()))
+        self.blocks = [self.model.layers._modules[str(i)] for i in range(self.config.num_layers)]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, vocab] at every position of right-padded rows [B, T] (a full causal pass)."""
-        return self.transformer.causal_logits(tokens)
+    def forward(self, tokens: torch.Tensor, prompt_lens: torch.Tensor, response_lens: torch.Tensor
+                ) -> ResponseLogprobs:
+        """Scores rows [B, L] of prompt + response tokens, right-padded; R = max(response_lens). The
+        log-probabilities are of the raw logits (temperature 1), as the engine reports them for sampled tokens."""
+        cfg, (b, length) = self.config, tokens.shape
+        if prompt_lens.shape != (b,) or response_lens.shape != (b,):
+            raise ValueError(f"prompt_lens and response_lens need one entry per row ({b}); got "
+                             f"{tuple(prompt_lens.shape)} and {tuple(response_lens.shape)}")
+        if (prompt_lens < 1).any() or (response_lens < 0).any() or (prompt_lens + response_lens > length).any():
+            raise ValueError(f"each row needs prompt_len >= 1 (a token to predict the first response token from), "
+                             f"response_len >= 0 and prompt_len + response_len <= {length} (the row length)")
+        x = self.model.embed_tokens.weight[tokens]
+        cos, sin = rope_tables(cfg, length, tokens.device, x.dtype)
+        cos, sin = cos[:, None], sin[:, None]  # [L, 1, d] against [B, L, heads, d]
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        hidden = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
+        offsets = torch.arange(int(response_lens.max()), device=tokens.device)
+        mask = offsets < response_lens[:, None]
+        positions = (prompt_lens[:, None] + offsets).clamp(max=length - 1)  # [B, R]; past the end: masked
+        rows = torch.arange(b, device=tokens.device)[:, None]
+        # Each response token is predicted one position earlier; only real response tokens reach the lm_head.
+        head = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
+        chosen, entropy = token_logprobs(hidden[rows, positions - 1][mask], head, tokens[rows, positions][mask])
+        logprobs = torch.zeros(mask.shape, dtype=chosen.dtype, device=tokens.device).masked_scatter(mask, chosen)
+        return ResponseLogprobs(logprobs, mask, torch.zeros_like(logprobs).masked_scatter(mask, entropy))
 
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        """Detached views of the weights (they change with the next step; clone to keep), by Hugging Face name in
-        sorted-name order (the order weight sync sends them in)."""
-        return {name: p.detach() for name, p in sorted(self.named_parameters())}
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copies `weights` (Hugging Face names, every weight of this model) into the Parameters in place."""
-        params = dict(self.named_parameters())
-        missing, unexpected = sorted(params.keys() - weights.keys()), sorted(weights.keys() - params.keys())
-        if missing or unexpected:
-            raise ValueError(f"weights do not match the model in {self.model_dir}: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}; load weights saved from this model")
+def token_logprobs(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor,
+                   chunk: int = LOSS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) [N] (float32 at least) and the entropy [N] of each token's next-token distribution, from
+    hidden states [N, hidden] and the lm_head [vocab, hidden], `chunk` tokens at a time. Each chunk is
+    checkpointed: its logits are recomputed in the backward pass, not kept, so peak memory holds one chunk's
+    logits, not [N, vocab] (~1 TB for 256 responses of 8K tokens over a 128K vocabulary)."""
+    def one(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(h, w)
+        # At least float32: bfloat16 log-probabilities are too coarse for the PPO ratio.
+        logp = torch.log_softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
         with torch.no_grad():
-            for name, p in params.items():
-                if weights[name].shape != p.shape:
-                    raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}, the model "
-                                     f"{tuple(p.shape)}; load weights saved from this model")
-                p.copy_(weights[name])
+            entropy = -(logp.exp() * logp).sum(-1)
+        return logp.gather(-1, t[:, None])[:, 0], entropy
 
-    def save_pretrained(self, path: str | Path) -> Path:
-        """A model directory the engine loads: the source's JSON files (config.json, tokenizer.json, ...) and
-        the current weights as model.safetensors."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        for file in self.model_dir.glob("*.json"):
-            if file.name != INDEX_FILE:  # the weights are written unsharded
-                shutil.copy2(file, path / file.name)
-        save_weights(path, self.named_weights())
-        return path
+    run = (lambda *a: checkpoint(one, *a, use_reentrant=False)) if torch.is_grad_enabled() else one
+    parts = [run(hidden[i:i + chunk], head, targets[i:i + chunk]) for i in range(0, max(len(hidden), 1), chunk)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-class ResponseLogprobs(NamedTuple):
-    logprobs: torch.Tensor  # [B, R]: log p(token | prefix) of each response token; 0 past a response's end
-    mask: torch.Tensor  # [B, R] bool: True at response tokens
-    entropy: torch.Tensor  # scalar: mean next-token entropy over the response tokens (detached, for logging)
+def sharded_policy(model_dir: str | Path, mesh: DeviceMesh, *, checkpointing: bool, bf16: bool,
+                   cpu_offload: bool, trainable: bool = True) -> Policy:
+    """The policy under FSDP2 over `mesh` (every rank of the trainer): fully_shard per block and at the root,
+    float32 master weights (bf16 compute with float32 gradient reduction when `bf16`), parameters, gradients
+    and optimizer states in host memory with `cpu_offload`. Built on the meta device and loaded through
+    set_model_state_dict from rank 0's copy, so no rank ever holds a second full model on its device."""
+    policy = Policy(model_dir, device="meta", checkpointing=checkpointing)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    options = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    for block in policy.blocks:
+        fully_shard(block, **options)
+    fully_shard(policy, **options)
+    policy.to_empty(device="cpu" if cpu_offload else mesh.device_type)
+    full = load_weights(model_dir, torch.float32) if dist.get_rank() == 0 else {}
+    set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return policy.requires_grad_(trainable)
 
 
-def response_logprobs(model: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor,
-                      prompt_lens: Sequence[int] | torch.Tensor,
-                      response_lens: Sequence[int] | torch.Tensor) -> ResponseLogprobs:
-    """Scores rows [B, L] of prompt + response tokens, right-padded; R = max(response_lens).
-
-    `model` maps tokens to logits [B, L, V]: a Policy, or a Policy wrapped in DistributedDataParallel -- call
-    through the wrapper, since DDP all-reduces gradients only for passes through its own forward. The
-    log-probabilities are of the raw logits (temperature 1), as the engine reports them for sampled tokens.
-    """
-    b, length = tokens.shape
-    prompt_lens = torch.as_tensor(prompt_lens, device=tokens.device)
-    response_lens = torch.as_tensor(response_lens, device=tokens.device)
-    if prompt_lens.shape != (b,) or response_lens.shape != (b,):
-        raise ValueError(f"prompt_lens and response_lens need one entry per row ({b}); got "
-                         f"{tuple(prompt_lens.shape)} and {tuple(response_lens.shape)}")
-    if (prompt_lens < 1).any() or (response_lens < 0).any() or (prompt_lens + response_lens > length).any():
-        raise ValueError(f"each row needs prompt_len >= 1 (a token to predict the first response token from), "
-                         f"response_len >= 0 and prompt_len + response_len <= {length} (the row length)")
-    logits = model(tokens)
-    offsets = torch.arange(int(response_lens.max()), device=tokens.device)
-    mask = offsets < response_lens[:, None]
-    positions = (prompt_lens[:, None] + offsets).clamp(max=length - 1)  # [B, R]; past the end: masked
-    rows = torch.arange(b, device=tokens.device)[:, None]
-    predicting = logits[rows, positions - 1]  # [B, R, V]: each response token is predicted one position earlier
-    # At least float32: bfloat16 log-probabilities are too coarse for the PPO ratio.
-    logp = torch.log_softmax(predicting, dim=-1, dtype=torch.promote_types(predicting.dtype, torch.float32))
-    chosen = logp.gather(-1, tokens[rows, positions][..., None])[..., 0]
-    with torch.no_grad():
-        mean_entropy = entropy(predicting, mask)
-    return ResponseLogprobs(chosen.masked_fill(~mask, 0.0), mask, mean_entropy)
+def full_weights(policy: Policy):
+    """(name, full tensor) of every weight in sorted-name order, gathered one at a time from the shards: a
+    collective, every rank of the mesh iterates it. A plain (unsharded) policy yields its own detached tensors."""
+    for name, p in sorted(policy.named_parameters()):
+        yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()

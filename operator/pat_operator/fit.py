@@ -1,0 +1,436 @@
+"""Will a job fit? The memory of each trainer rank and each generator engine rank, from the model's shape, against
+the GPUs' memory (by name, or by the node label GPU feature discovery sets).
+
+Pure arithmetic, no torch: `pat plan` prints it; `pat validate` and the operator check it wherever the shape and
+the GPUs are known without reading model files; the trainer checks its device's free memory at start (check_free).
+The model shapes (built in, tiny presets, a config.json) and the GPU table are here too, so that the operator, the
+engine and the simulator share them.
+
+Counted per rank (P parameters, W = trainer.world_size, e = 2 bytes per element computed on GPUs (bf16), 4 on CPU):
+- trainer, FSDP2 (fully_shard per transformer block and at the root): fp32 master weights 4P/W, fp32 gradients
+  4P/W, AdamW's two fp32 moments 8P/W, and with algorithm.klCoef > 0 the frozen reference policy 4P/W (these in
+  host memory with trainer.cpuOffload); the unsharded parameters, e bytes each, of two blocks (the running one and
+  the prefetched next) and of the root (embedding, final norm, an untied lm_head); the activations autograd keeps
+  for one micro-batch of algorithm.maxTokensPerMicroBatch tokens (layer_activation_bytes per token and layer; with
+  activation checkpointing each block keeps only its input, and one block at a time its whole set); the loss's
+  lm_head + log-softmax over LOSS_CHUNK_TOKENS tokens at a time (logits, log-probabilities and a gradient, fp32).
+- generator engine rank: the whole replica in model.dtype (a TP shard is a view of it); the KV cache of maxBatch x
+  maxSeq tokens; and the larger of what briefly sits beside it: a regroup's new cache (the same size) or, at
+  start, two of the profiling pass's caches (engine/costs.py).
+HEADROOM (a tenth of each device) is kept free for what is not counted: the CUDA context, NCCL buffers, allocator
+fragmentation, the gradients of activations inside a block's backward, the engine's prefill activations.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from .api import JobSpecError, RLHFJobSpec
+from .layout import tp_degrees
+
+GIB = 1 << 30
+MIB = 1 << 20
+HEADROOM = 0.1  # of each device's memory, kept free for what is not counted (see above)
+LOSS_CHUNK_TOKENS = 1024  # tokens per lm_head + log-softmax chunk of the trainer's loss
+PROFILE_POSITIONS = 513  # positions of the engine's profiling caches (engine/costs.py: LONG_CONTEXT + 1)
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # GPU feature discovery's node label
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_GPUS_PER_POD = 8  # the largest pod a fix suggests (one node of 8 GPUs)
+
+
+class FitError(ValueError):
+    """A model shape or GPU this module cannot read; the message names the flag or field and the fix."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: float  # what the device reports (nvidia-smi's total)
+    hbm_bytes_per_s: float
+    bf16_flops: float  # dense
+    link_bytes_per_s: float  # NVLink (PCIe without it), one direction per GPU
+    link_latency_s: float  # one small all-reduce (an assumption: datasheets give no latency)
+    source: str
+    products: tuple[str, ...] = ()  # its values of the node label GPU_PRODUCT_LABEL
+
+
+GPUS: dict[str, GPU] = {g.name: g for g in (
+    GPU("A100-40GB", 40960 * MIB, 1.555e12, 312e12, 300e9, 10e-6,
+        "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB): HBM2 1,555 GB/s, BF16 312 TFLOPS dense, NVLink 600 GB/s "
+        "(both directions); 40,960 MiB as nvidia-smi reports it", ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB")),
+    GPU("A100-80GB", 81920 * MIB, 2.039e12, 312e12, 300e9, 10e-6,
+        "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): HBM2e 2,039 GB/s, BF16 312 TFLOPS dense, "
+        "NVLink 600 GB/s (both directions); 81,920 MiB as nvidia-smi reports it",
+        ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe")),
+    GPU("H100-PCIe", 81559 * MIB, 2.0e12, 756e12, 300e9, 10e-6,
+        "NVIDIA H100 PCIe product brief: HBM2e 2,000 GB/s, BF16 1,513 TFLOPS with sparsity (756 dense), NVLink "
+        "bridge 600 GB/s (both directions); 81,559 MiB as nvidia-smi reports it", ("NVIDIA-H100-PCIe",)),
+    GPU("H100-SXM", 81559 * MIB, 3.35e12, 989e12, 450e9, 8e-6,
+        "NVIDIA H100 Tensor Core GPU datasheet (SXM5): HBM3 3.35 TB/s, BF16 1,979 TFLOPS with sparsity (989 "
+        "dense), NVLink 900 GB/s (both directions); 81,559 MiB as nvidia-smi reports it", ("NVIDIA-H100-80GB-HBM3",)),
+    GPU("H200", 143771 * MIB, 4.8e12, 989e12, 450e9, 8e-6,
+        "NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e at 4.8 TB/s, BF16 1,979 TFLOPS with sparsity "
+        "(989 dense), NVLink 900 GB/s (both directions); 143,771 MiB as nvidia-smi reports it", ("NVIDIA-H200",)),
+    GPU("L40S", 46068 * MIB, 864e9, 362e12, 32e9, 10e-6,
+        "NVIDIA L40S datasheet: 48 GB GDDR6 at 864 GB/s, BF16 733 TFLOPS with sparsity (362 dense), no NVLink: PCIe "
+        "Gen4 x16 64 GB/s (both directions); 46,068 MiB as nvidia-smi reports it", ("NVIDIA-L40S",)),
+)}
+
+
+def gpu(name: str) -> GPU:
+    """A GPU by its name here (H200) or its node label value (NVIDIA-H200), in any case; FitError if unknown."""
+    key = name.lower()
+    for g in GPUS.values():
+        if key == g.name.lower() or key in (p.lower() for p in g.products):
+            return g
+    raise FitError(f"GPU {name!r} is unknown; use one of {', '.join(GPUS)} or a {GPU_PRODUCT_LABEL} value "
+                   f"({', '.join(p for g in GPUS.values() for p in g.products)})")
+
+
+def selected_gpu(node_selector: dict[str, str]) -> GPU | None:
+    """The GPU a pod's nodeSelector asks for by GPU_PRODUCT_LABEL; None without that label (FitError: unknown)."""
+    product = node_selector.get(GPU_PRODUCT_LABEL)
+    return None if product is None else gpu(product)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder (Llama-3, Qwen2, Qwen3: rms_norm, GQA attention with RoPE, SwiGLU MLP), as the engine loads it."""
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], name: str) -> ModelShape:
+        """From a Hugging Face config.json: Qwen2 always has q/k/v biases, Llama and Qwen3 follow attention_bias
+        (Llama also on o_proj), Qwen3 normalises q and k per head."""
+        try:
+            heads = int(cfg["num_attention_heads"])
+            model_type, attention_bias = cfg.get("model_type"), bool(cfg.get("attention_bias", False))
+            return cls(name, int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"]),
+                       heads, int(cfg.get("num_key_value_heads") or heads),
+                       int(cfg.get("head_dim") or cfg["hidden_size"] // heads), int(cfg["vocab_size"]),
+                       tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                       qkv_bias=model_type == "qwen2" or attention_bias,
+                       o_bias=model_type != "qwen2" and attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
+                       qk_norm=model_type == "qwen3")
+        except KeyError as e:
+            raise FitError(f"{name}: config.json lacks {e.args[0]}; give a Hugging Face config.json of a Llama/Qwen "
+                           f"model") from None
+
+    @property
+    def layer_matmul_params(self) -> int:
+        h, d = self.hidden, self.head_dim
+        return h * d * (2 * self.heads + 2 * self.kv_heads) + 3 * h * self.intermediate
+
+    @property
+    def layer_params(self) -> int:
+        """One decoder layer: its matrices, biases and norms."""
+        d, kv_width = self.head_dim, self.kv_heads * self.head_dim
+        biases = ((self.heads * d + 2 * kv_width) * self.qkv_bias + self.hidden * self.o_bias
+                  + (2 * self.intermediate + self.hidden) * self.mlp_bias)
+        return self.layer_matmul_params + biases + 2 * self.hidden + 2 * d * self.qk_norm
+
+    @property
+    def root_params(self) -> int:
+        """Outside the layers: the embedding, the final norm and an untied lm_head."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights every token multiplies with: the layers and the LM head (not the embedding lookup)."""
+        return self.layers * self.layer_matmul_params + self.vocab * self.hidden
+
+    def kv_bytes_per_token(self, element_size: int = 2) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * element_size
+
+    def tp_sizes(self, world: int) -> list[int]:
+        """As the engine allows: powers of two dividing the pod's ranks, the KV heads and the MLP width."""
+        return [t for t in tp_degrees(world) if self.kv_heads % t == 0 and self.intermediate % t == 0]
+
+
+# From the models' published config.json (meta-llama/Llama-3.1-8B, Qwen/Qwen3-14B on Hugging Face).
+SHAPES: dict[str, ModelShape] = {s.name: s for s in (
+    ModelShape.from_hf(dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256),
+                       "llama-3.1-8b"),
+    ModelShape.from_hf(dict(model_type="qwen3", hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                            num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+                       "qwen3-14b"),
+)}
+
+# model.tiny presets: config.json dimensions, plus lm_head_gain where a preset wants another logit scale (not a
+# config.json field; engine/tiny.py builds the weights).
+PRESETS: dict[str, dict[str, Any]] = {
+    # For tests: fast, 4 KV heads so that TP 1/2/4 all apply.
+    "test": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=320),
+    # For the local RLHF demo on a 2-core CPU (synthetic arithmetic): small, and near-uniform at the start.
+    "demo": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=320, lm_head_gain=0.1),
+    # For the CPU benchmark: compute per step outweighs a shared-memory all-reduce (~10 us).
+    "bench": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=4, vocab_size=2048),
+    # Llama-3.1-8B's shape (random weights), for the GPU benchmark.
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256),
+}
+
+
+def hf_config(family: str, **dims: Any) -> dict[str, Any]:
+    """A Hugging Face config.json of a tiny model of `family` with these dimensions."""
+    if family not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"family={family!r}: use llama, qwen2 or qwen3")
+    cfg: dict[str, Any] = dict(
+        model_type=family, architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                           "qwen3": "Qwen3ForCausalLM"}[family]],
+        hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=False,
+        bos_token_id=256, eos_token_id=257, torch_dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    if family == "llama":
+        cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 1024}
+    if family == "qwen3":
+        cfg["head_dim"] = 2 * dims["hidden_size"] // dims["num_attention_heads"]  # Qwen3 decouples head_dim
+    cfg.update(dims)
+    return cfg
+
+
+def tiny_shape(preset: str, family: str = "llama") -> ModelShape:
+    if preset not in PRESETS:
+        raise FitError(f"model.tiny.preset={preset!r} is unknown; known: {sorted(PRESETS)}")
+    return ModelShape.from_hf(hf_config(family, **PRESETS[preset]), f"tiny {family} {preset}")
+
+
+def read_shape(path: Path) -> ModelShape:
+    """The shape in a config.json; FitError naming the file when it cannot be read."""
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise FitError(f"{path}: {e}; give a Hugging Face config.json") from None
+    if not isinstance(cfg, dict):
+        raise FitError(f"{path}: not a JSON object; give a Hugging Face config.json")
+    return ModelShape.from_hf(cfg, path.parent.name or str(path))
+
+
+# --- memory per rank ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per rank by term, in the order printed; `host` is what trainer.cpuOffload keeps in host memory."""
+    terms: tuple[tuple[str, float], ...]
+    host: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def total(self) -> float:
+        return sum(b for _, b in self.terms)
+
+
+def layer_activation_bytes(shape: ModelShape, element_size: int) -> int:
+    """What autograd keeps per token of one transformer block of the trainer (trainer/policy.py's Block), its
+    input included: each rms_norm a float32 copy of its input and its output (q- and k-norm too); attention's fused
+    kernel q, k, v (RoPE'd), its output and a float32 log-sum-exp per head, and o_proj a contiguous copy of that
+    output; the MLP's gate, silu(gate), up and their product. Measured on CPU with saved_tensors_hooks (float32
+    and bfloat16): within 4% (qk-norm counted high), the rest exact."""
+    e, h, d, nh, nkv = element_size, shape.hidden, shape.head_dim, shape.heads, shape.kv_heads
+    norms = 2 * (4 + e) * h + (4 + e) * d * (nh + nkv) * shape.qk_norm
+    attention = e * d * (3 * nh + 2 * nkv) + 4 * nh
+    return e * h + norms + attention + 4 * e * shape.intermediate
+
+
+def trainer_memory(spec: RLHFJobSpec, shape: ModelShape) -> Memory:
+    """Per trainer rank (see the module's docstring)."""
+    t, tokens = spec.trainer, spec.algorithm.max_tokens_per_micro_batch
+    on_gpu = t.gpus_per_pod > 0
+    e, w, p = (2 if on_gpu else 4), t.world_size, shape.params
+    states = [(f"parameters (fp32, 1/{w})", 4 * p / w), (f"gradients (fp32, 1/{w})", 4 * p / w),
+              (f"AdamW moments (fp32, 1/{w})", 8 * p / w)]
+    if spec.algorithm.kl_coef > 0:
+        states.append((f"reference policy (fp32, 1/{w})", 4 * p / w))
+    block = layer_activation_bytes(shape, e)
+    final_norm = (4 + 2 * e) * shape.hidden  # the final rms_norm, and the response rows gathered for the loss
+    if t.checkpointing:
+        activations = (f"activations ({tokens} tokens, checkpointed)",
+                       tokens * (shape.layers * e * shape.hidden + block + final_norm))
+    else:
+        activations = (f"activations ({tokens} tokens, every block)", tokens * (shape.layers * block + final_norm))
+    working = [(f"unsharded: 2 blocks + root ({'bf16' if on_gpu else 'fp32'})",
+                e * (2 * shape.layer_params + shape.root_params)), activations,
+               (f"loss: logits of {min(LOSS_CHUNK_TOKENS, tokens)} tokens (fp32 x 3)",
+                3 * 4 * min(LOSS_CHUNK_TOKENS, tokens) * shape.vocab)]
+    if on_gpu and t.cpu_offload:
+        return Memory(tuple(working), tuple(states))
+    return Memory(tuple(states + working))
+
+
+def generator_memory(spec: RLHFJobSpec, shape: ModelShape) -> Memory:
+    """Per generator engine rank (see the module's docstring)."""
+    g, dtype = spec.generator, spec.model.dtype
+    kv_token = shape.kv_bytes_per_token(DTYPE_BYTES[dtype])
+    kv = g.max_batch * g.max_seq * kv_token
+    sizes = shape.tp_sizes(g.ranks)  # the profiling pass measures every size the model allows, one at a time
+    capacity = g.max_batch * sizes[-1]
+    # Each TP size's cache holds `capacity` sequences of 1/tp of the heads; the next is allocated before the last
+    # is freed.
+    profile = capacity * PROFILE_POSITIONS * kv_token * (1 + (1 / sizes[1] if len(sizes) > 1 else 0))
+    regroups = g.adaptive_tp.enabled and any(t > 1 and t in sizes for t in g.tp_sizes)
+    beside = (("regroup: the new layout's KV cache", kv) if regroups and kv >= profile
+              else ("profiling caches at start", profile))
+    return Memory(((f"weights ({dtype}, the whole model)", shape.params * DTYPE_BYTES[dtype]),
+                   (f"KV cache ({g.max_batch} x {g.max_seq} tokens)", kv), beside))
+
+
+ROLES: dict[str, Callable[[RLHFJobSpec, ModelShape], Memory]] = {"trainer": trainer_memory,
+                                                                  "generator": generator_memory}
+
+
+# --- the check ---------------------------------------------------------------------------------------------------
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.0f} MiB"
+
+
+def usable(memory_bytes: float) -> float:
+    return memory_bytes * (1 - HEADROOM)
+
+
+def role_gpus(spec: RLHFJobSpec, name: str | None = None, *, lenient: bool = False) -> dict[str, GPU | None]:
+    """Each GPU role's GPU: `name` for every role, else its nodeSelector's (None without the label); CPU roles are
+    left out. An unknown GPU is a FitError, or with `lenient` None (the operator's table may lag the hardware)."""
+    named = gpu(name) if name else None
+
+    def one(node_selector: dict[str, str]) -> GPU | None:
+        try:
+            return named or selected_gpu(node_selector)
+        except FitError:
+            if lenient:
+                return None
+            raise
+
+    return {role: one(template.node_selector) for role, template in (("trainer", spec.trainer),
+                                                                     ("generator", spec.generator))
+            if template.gpus_per_pod > 0}
+
+
+def problems(spec: RLHFJobSpec, shape: ModelShape, gpus: dict[str, GPU | None]) -> list[str]:
+    """One message per role that does not fit its GPU (a role mapped to None is not checked), naming the field to
+    change and the least change that fits."""
+    return [message for role, g in gpus.items()
+            if g is not None and (message := _check(spec, shape, role, g.memory_bytes,
+                                                     f"an {g.name}'s {gib(g.memory_bytes)}"))]
+
+
+def known_problems(spec: RLHFJobSpec, shape: ModelShape | None = None) -> list[str]:
+    """problems() wherever the shape and the GPUs are known: `shape` if the caller could read the model's
+    config.json, else a tiny preset's (the operator never reads model files); the GPUs the nodeSelectors name."""
+    if shape is None and (spec.model.tiny is None or spec.model.tiny.preset not in PRESETS):
+        return []  # an unknown preset: not this check's to report
+    shape = shape or tiny_shape(spec.model.tiny.preset, spec.model.tiny.family)
+    return problems(spec, shape, role_gpus(spec, lenient=True))
+
+
+def require_fit(spec: RLHFJobSpec, source: str, shape: ModelShape | None = None) -> None:
+    """JobSpecError, one line per role as parse_job writes them, when known_problems() finds any."""
+    if found := known_problems(spec, shape):
+        raise JobSpecError(f"{source} does not fit:\n" + "\n".join(f"  {p}" for p in found))
+
+
+def check_free(spec: RLHFJobSpec, shape: ModelShape, free_bytes: float, role: str = "trainer",
+               device: str = "this device") -> str | None:
+    """A rank's start-up check: the same estimate against the memory free on its device (on a GPU
+    torch.cuda.mem_get_info()[0]; on CPU MemAvailable over the ranks on the host). None when it fits, else the
+    message naming the field to change."""
+    return _check(spec, shape, role, free_bytes, f"the {gib(free_bytes)} free on {device}")
+
+
+# What each role's fixes change, in the order they are preferred: the cheapest in speed or GPUs first.
+FIXES = {"trainer": ("algorithm.maxTokensPerMicroBatch", "trainer.activationCheckpointing", "trainer.gpusPerPod",
+                     "trainer.replicas", "trainer.cpuOffload"),
+         "generator": ("generator.maxBatch", "model.dtype", "generator.maxSeq")}
+MAX_REPLICAS = 64  # the most trainer pods a fix suggests
+
+
+def _check(spec: RLHFJobSpec, shape: ModelShape, role: str, capacity: float, of: str) -> str | None:
+    need, budget = ROLES[role](spec, shape).total, usable(capacity)
+    if need <= budget:
+        return None
+    unit = "GPU" if getattr(spec, role).gpus_per_pod > 0 else "rank"
+    who = f"a {role} rank of {shape.name} needs {gib(need)} per {unit}"
+    room = f"more than the {gib(budget)} usable of {of} ({HEADROOM:.0%} kept free)"
+    fixes = list(_fixes(spec, shape, role, budget))
+    if not fixes:
+        return (f"spec.{role}.nodeSelector: {who}, {room}, and no single change of {', '.join(FIXES[role])} fits; "
+                f"use GPUs with more memory")
+    (path, now, new, fixed), *others = fixes
+    name = path.rsplit(".", 1)[1]
+    also = "; also fits: " + ", ".join(f"{p}={_text(v)} ({gib(b)})" for p, _, v, b in others) if others else ""
+    return f"spec.{path}: {who} with {name}={_text(now)}, {room}; with {name}={_text(new)}: {gib(fixed)}{also}"
+
+
+def _text(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, bool) else str(value)  # as YAML writes it
+
+
+def _fixes(spec: RLHFJobSpec, shape: ModelShape, role: str, budget: float) -> Iterator[tuple[str, Any, Any, float]]:
+    """(field path, its value now, the least change of it that fits, the need with it) for each field of
+    FIXES[role] that has one; a change that would make the spec invalid is not one."""
+    a, t, g = spec.algorithm, spec.trainer, spec.generator
+    if role == "trainer":
+        halved = [1 << i for i in range(a.max_tokens_per_micro_batch.bit_length() - 1, 0, -1)]
+        tried = {"algorithm.maxTokensPerMicroBatch": (a.max_tokens_per_micro_batch, [
+                     v for v in [*halved, g.max_seq] if g.max_seq <= v < a.max_tokens_per_micro_batch]),
+                 "trainer.activationCheckpointing": (t.checkpointing, [True] * (not t.checkpointing)),
+                 "trainer.gpusPerPod": (t.gpus_per_pod, [n for n in tp_degrees(MAX_GPUS_PER_POD)
+                                                         if 0 < t.gpus_per_pod < n]),
+                 "trainer.replicas": (t.replicas, range(t.replicas + 1, MAX_REPLICAS + 1)),
+                 "trainer.cpuOffload": (t.cpu_offload, [True] * (t.gpus_per_pod > 0 and not t.cpu_offload))}
+    else:
+        tried = {"generator.maxBatch": (g.max_batch, range(g.max_batch - 1, 0, -1)),
+                 "model.dtype": (spec.model.dtype, ["bfloat16"] * (spec.model.dtype == "float32")),
+                 "generator.maxSeq": (g.max_seq, range((g.max_seq - 1) // 256 * 256, 0, -256))}
+    for path in FIXES[role]:
+        now, values = tried[path]
+        for value in values:
+            # One rank per GPU: a new gpusPerPod takes ranksPerPod with it.
+            changed = _changed(spec, {path: value, **({"trainer.ranksPerPod": None} if path == "trainer.gpusPerPod"
+                                                      else {})})
+            if changed is not None and (need := ROLES[role](changed, shape).total) <= budget:
+                yield path, now, value, need
+                break
+
+
+def _changed(spec: RLHFJobSpec, changes: dict[str, Any]) -> RLHFJobSpec | None:
+    """The spec with these fields (dotted wire names) changed, or None when that is not a valid spec."""
+    doc = spec.model_dump(by_alias=True)
+    for path, value in changes.items():
+        *parents, leaf = path.split(".")
+        node = doc
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    try:
+        return RLHFJobSpec.model_validate(doc)
+    except ValidationError:
+        return None

@@ -1,0 +1,46 @@
+"""The trainer's benchmark scripts run end to end here: bench/gpu_check.py's code path on CPU (--smoke), and
+bench/trainer_memory.py on the test model (--quick), whose sharding it measures."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+def run_script(*args: str, timeout: float) -> dict:
+    """The script's last stdout line (one JSON object), after it exits 0."""
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_gpu_check_smoke_trains_a_step_and_writes_only_where_asked(tmp_path):
+    results = ROOT / "bench" / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
+    out = tmp_path / "check.json"
+    result = run_script("bench/gpu_check.py", "--smoke", "--out", str(out), timeout=120)
+    assert json.loads(out.read_text()) == result
+    assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before  # on CPU: nothing in bench/results
+    assert "error" not in result and result["smoke"] is True
+    assert len(result["step_seconds"]) == 3 and result["model_flops"] > 0 and result["mfu"] >= 0
+    assert result["estimate_bytes"] > result["estimate_state_bytes"] > 0
+    # The states measured are the estimate's: fp32 parameters, gradients and AdamW's two moments (+ its step counts).
+    assert sum(result["state_bytes"].values()) == pytest.approx(result["estimate_state_bytes"], rel=1e-3)
+    assert result["state_bytes"]["gradients"] == result["state_bytes"]["parameters"] == 4 * result["params"]
+
+
+def test_trainer_memory_quick_measures_the_shards():
+    result = run_script("bench/trainer_memory.py", "--quick", timeout=300)
+    worlds, params = result["worlds"], result["params"]
+    assert set(worlds) == {"1", "2", "4"}
+    for world, w in worlds.items():
+        # Every rank holds 1/world of the 16 bytes per parameter (AdamW's step counts add a few bytes); one rank
+        # holds all of them: what the ratio is measured against.
+        assert all(b == pytest.approx(16 * params / int(world), rel=1e-3) for b in w["state_bytes_ranks"])
+        assert w["state_bytes_per_rank"] == max(w["state_bytes_ranks"]) and w["peak_rss_bytes"] > 0
+    assert result["state_bytes_per_rank_ratio_4_over_1"] < 0.5
+    assert result["estimate_error"] <= 0.15
