@@ -22,11 +22,9 @@ import pytest
 import torch
 import yaml
 
-from pat_workers.trainer import checkpoint
-
 from ..procs import children
+from ..runs import ROOT, final_weights, pat, rollouts, rows
 
-ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "local.yaml"
 
 
@@ -42,24 +40,6 @@ def write_job(tmp_path: Path, name: str, **edits) -> Path:
     out = tmp_path / f"{name}.yaml"
     out.write_text(yaml.safe_dump(doc))
     return out
-
-
-def pat(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pat_workers.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
-
-
-def rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
-
-
-def final_weights(run_dir: Path) -> dict:
-    return checkpoint.load_weights(checkpoint.latest(run_dir / "checkpoints"))
-
-
-def rollouts(run_dir: Path) -> dict[str, list]:
-    return {p.name: json.loads(p.read_text()) for p in sorted((run_dir / "rollouts").glob("iter-*.json"))}
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +114,9 @@ def test_killed_processes_resume_exactly(tmp_path):
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
     summary = json.loads((crashed / "summary.json").read_text())
-    assert [r["reason"].split()[0] for r in summary["restarts"]] == ["trainer-0", "generator-0"]  # the pods failed
+    # The first restart is the trainer pod's (its rank died); after the engine rank, the generator pod fails, and
+    # the trainer too, when its next call to the pod fails: either may be seen first.
+    assert len(summary["restarts"]) == 2 and summary["restarts"][0]["reason"].startswith("trainer-0 exited")
     by_attempt = summary["iterations_by_attempt"]
     assert sorted(i for its in by_attempt.values() for i in its) == list(range(1, 9))  # each exactly once
     assert min(by_attempt["1"]) in (3, 5) and min(by_attempt["2"]) in (5, 7)  # resumed after a checkpoint

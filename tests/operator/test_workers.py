@@ -1,6 +1,7 @@
 """A real RLHFJob through the operator: the pods run the real generator and trainer (tiny model built in each
 pod's init container; the trainer pod runs 2 ranks through torch.distributed.run), one killed trainer rank fails
-its pod, the gang restarts and resumes from its checkpoint, and the job succeeds after its iterations."""
+its pod, the gang restarts and resumes from its sharded checkpoint, and the job succeeds after its iterations with
+the tokens and weights of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import os
 import signal
 
 import pytest
+import torch
+import yaml
 
 from ..procs import children
+from ..runs import final_weights, pat, rollouts
 from .conftest import job_doc, phase
 
 pytestmark = pytest.mark.cluster
@@ -23,12 +27,14 @@ def real_job(name: str) -> dict:
     spec["reward"]["overlongBuffer"] = 4
     spec["generator"].update(maxBatch=16, maxSeq=64)
     spec["trainer"].update(gpusPerPod=0, ranksPerPod=2)
+    # A fixed layout: the run is compared token for token with a local one (when a regroup happens depends on time).
+    spec["generator"]["adaptiveTP"]["enabled"] = False
     spec["checkpoint"] = {"everyIterations": 1, "keep": 2, "path": "/var/lib/pat/run",
                           "volume": {"persistentVolumeClaim": {"claimName": f"{name}-run"}}}
     return doc
 
 
-def test_real_workers_run_restart_from_a_checkpoint_and_succeed(jobs, cluster):
+def test_real_workers_run_restart_from_a_checkpoint_and_succeed(jobs, cluster, tmp_path):
     jobs.create(real_job("grpo"))
     job = jobs.wait("grpo", lambda j: "grpo-run" in _running_message(j), "the missing claim named")
     assert "Unschedulable" in _running_message(job)  # why the gang waits, in its status
@@ -50,6 +56,17 @@ def test_real_workers_run_restart_from_a_checkpoint_and_succeed(jobs, cluster):
     assert job["status"]["iteration"] == ITERATIONS and job["status"]["restarts"] == 1
     trainer_log = cluster.kubelet.log(jobs.namespace, "grpo-trainer-0", "trainer")
     assert "resumed from iter-" in trainer_log, trainer_log[-2000:]
+    # The interrupted run on the cluster equals an uninterrupted `pat run` of the same job on this machine: every
+    # token of every iteration, and the final weights (from the sharded checkpoint on the claim), bitwise.
+    job_file = tmp_path / "grpo.yaml"
+    job_file.write_text(yaml.safe_dump(real_job("grpo")))
+    reference = tmp_path / "reference"
+    done = pat("run", str(job_file), "--run-dir", str(reference), "--no-progress")
+    assert done.returncode == 0, done.stderr[-3000:]
+    on_cluster = cluster.kubelet.claim_dir(jobs.namespace, "grpo-run")
+    assert len(rollouts(on_cluster)) == ITERATIONS and rollouts(on_cluster) == rollouts(reference)
+    ref, got = final_weights(reference), final_weights(on_cluster)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
 
 
 def _running_message(job: dict) -> str:
