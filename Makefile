@@ -68,9 +68,10 @@ gpu-bench: $(STAMP)
 	$(PY) bench/gpu_decode.py
 
 # One trainer step of a Qwen2.5-1.5B-shaped model on one GPU: peak memory vs the fit check, and MFU
-# (bench/results/gpu-check-trainer.json; docs/trainer-memory.md).
-gpu-check: $(STAMP)
-	$(PY) bench/gpu_check.py
+# (bench/results/gpu-check-trainer.json; docs/trainer-memory.md). Without the venv (a bare GPU machine) it runs
+# the machine's python3, with pydantic's wheels carried in .whl/.
+gpu-check:
+	scripts/gpu-check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache
