@@ -52,7 +52,7 @@ def widgets(cluster: Cluster):
                 raise
         wait_for(lambda: any(c["type"] == "Established" and c["status"] == "True" for c in json.loads(
             extensions.read_custom_resource_definition(crd["metadata"]["name"], _preload_content=False).data
-        ).get("status", {}).get("conditions", [])), 30, "the CRD to be established")
+        ).get("status", {}).get("conditions") or []), 30, "the CRD to be established")  # null at first
         yield kubernetes.client.CustomObjectsApi(api)
         extensions.delete_custom_resource_definition(crd["metadata"]["name"], _preload_content=False)
 

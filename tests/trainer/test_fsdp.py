@@ -1,5 +1,6 @@
 """FSDP2 training: 2 and 4 ranks, each on its share of every mini-batch, take the steps one process takes on the
-whole batch; token-budget micro-batches and activation checkpointing change nothing; checkpoints reshard."""
+whole batch; token-budget micro-batches, activation checkpointing and CPU offload change nothing; checkpoints
+reshard."""
 
 import pytest
 import torch
@@ -33,13 +34,13 @@ def make_rollouts(model_dir, iteration: int) -> list[Rollout]:
 
 
 def train_rank(rank, world, model_dir, batches, algorithm, sharded=True, checkpointing=False, save_to=None,
-               resume_from=None):
+               resume_from=None, cpu_offload=False):
     """The weights after training on `batches` (one iteration each), gathered on every rank."""
     mesh = init_device_mesh("cpu", (world,))
     alg = Algorithm(**algorithm)
     if sharded:
         build = lambda trainable: sharded_policy(model_dir, mesh, checkpointing=checkpointing,  # noqa: E731
-                                                 bf16=False, cpu_offload=False, trainable=trainable)
+                                                 bf16=False, cpu_offload=cpu_offload, trainable=trainable)
         policy, reference = build(True), build(False)
     else:  # each rank alone: no gradient is shared
         policy, reference = Policy(model_dir), Policy(model_dir).requires_grad_(False)
@@ -89,11 +90,12 @@ def test_fsdp_ranks_train_to_the_weights_of_one_process(model_dir, batches, sing
     assert max_difference(alone[0][0], single[0]) > 10 * TOLERANCE
 
 
-def test_micro_batches_and_activation_checkpointing_change_no_step(model_dir, batches, single):
-    # 24 tokens per micro-batch: a mini-batch of 8 sequences of up to 16 tokens takes 5+ passes, and the
-    # ranks' counts differ (zero-weight passes pair them up).
+def test_micro_batches_activation_checkpointing_and_offload_change_no_step(model_dir, batches, single):
+    # 24 tokens per micro-batch: each rank's 4 sequences of up to 16 tokens take 2 or 3 passes, and in the second
+    # mini-batch the ranks' counts differ (3 and 2: a zero-weight pass pairs them up). CPUOffloadPolicy runs the optimizer on host copies
+    # (on CPU the same memory, so this checks its code path, not a transfer).
     tight = {**ALGORITHM, "max_tokens_per_micro_batch": 24}
-    (weights, _), _ = run_ranks(train_rank, 2, model_dir, batches, tight, True, True, timeout=180)
+    (weights, _), _ = run_ranks(train_rank, 2, model_dir, batches, tight, True, True, None, None, True, timeout=180)
     assert max_difference(weights, single[0]) < TOLERANCE
 
 

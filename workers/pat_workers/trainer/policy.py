@@ -146,7 +146,9 @@ def sharded_policy(model_dir: str | Path, mesh: DeviceMesh, *, checkpointing: bo
     policy = Policy(model_dir, device="meta", checkpointing=checkpointing)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
-    options = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    # Pinned host memory speeds the copies to a GPU; without one there is nothing to pin (and torch refuses).
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
+    options = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
     for block in policy.blocks:
         fully_shard(block, **options)
     fully_shard(policy, **options)
