@@ -4,7 +4,7 @@ Greedy, with exact response lengths from the dataset (lengthField, EOS ignored):
 whose first sample is long and the rest short. The generator deals a batch's requests in order to the least
 loaded replica group, so every long response (an even position) lands on the same engine rank: once the short
 ones end, that rank decodes the long ones while the other idles -- the tail that merging the two ranks into one
-TP=2 group speeds up. The model is the tiny `bench` preset (103M
+TP=2 group speeds up. The model is the tiny `bench` preset (94M
 parameters): on this CPU its decode steps are bound by reading the weights, which TP=2 halves per rank (the
 smaller presets are too small to gain from TP). The merge pays more the more long responses the busy rank holds
 (measured here: 1 long, TP=2 takes ~0.74x the TP=1 step; 8 long, ~0.62x): one rank alone gets much of the
