@@ -92,8 +92,8 @@ def test_fsdp_ranks_train_to_the_weights_of_one_process(model_dir, batches, sing
 
 def test_micro_batches_activation_checkpointing_and_offload_change_no_step(model_dir, batches, single):
     # 24 tokens per micro-batch: each rank's 4 sequences of up to 16 tokens take 2 or 3 passes, and in the second
-    # mini-batch the ranks' counts differ (3 and 2: a zero-weight pass pairs them up). CPUOffloadPolicy runs the optimizer on host copies
-    # (on CPU the same memory, so this checks its code path, not a transfer).
+    # mini-batch the ranks' counts differ (3 and 2: a zero-weight pass pairs them up). CPUOffloadPolicy runs the
+    # optimizer on host copies (on CPU the same memory, so this checks its code path, not a transfer).
     tight = {**ALGORITHM, "max_tokens_per_micro_batch": 24}
     (weights, _), _ = run_ranks(train_rank, 2, model_dir, batches, tight, True, True, None, None, True, timeout=180)
     assert max_difference(weights, single[0]) < TOLERANCE

@@ -8,7 +8,8 @@ from prometheus_client import generate_latest
 from pat_operator import metric_names as names
 from pat_operator.api import parse_job
 from pat_operator.fit import FitError
-from pat_workers.trainer.loop import Rollout, TrainerMetrics, _pack, micro_batches, require_fit, sample_seed
+from pat_workers.trainer.loop import (Rollout, TrainerMetrics, _pack, check_device_memory, micro_batches,
+                                     sample_seed)
 
 
 def test_sample_seeds_are_fixed_by_position_and_distinct():
@@ -54,8 +55,8 @@ def test_the_trainer_fails_fast_when_a_rank_cannot_fit(model_dir, tmp_path):
                               "algorithm": {"maxTokensPerMicroBatch": 1 << 40}}})
     with pytest.raises(FitError, match=r"spec\.algorithm\.maxTokensPerMicroBatch: .* needs .* with "
                                        r"maxTokensPerMicroBatch=1099511627776"):
-        require_fit(job.spec, model_dir, torch.device("cpu"))
+        check_device_memory(job.spec, model_dir, torch.device("cpu"))
     # Negative control: the default budget fits.
     fits = job.spec.model_copy(update={"algorithm": job.spec.algorithm.model_copy(
         update={"max_tokens_per_micro_batch": 16384})})
-    require_fit(fits, model_dir, torch.device("cpu"))
+    check_device_memory(fits, model_dir, torch.device("cpu"))

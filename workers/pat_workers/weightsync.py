@@ -139,14 +139,19 @@ class WeightSender(_Member):
         stream = iter(tensors)
         with torch.no_grad():
             for bucket in buckets(manifest["tensors"], dtype.itemsize, bucket_bytes):
-                parts = []
-                for i in bucket:
+                sizes = [math.prod(manifest["tensors"][i][1]) for i in bucket]
+                # Each tensor is cast straight into its place in the bucket: one bucket's memory, one copy.
+                flat = torch.empty(sum(sizes), dtype=dtype, device=device) if len(bucket) > 1 else None
+                for i, part in zip(bucket, flat.split(sizes) if flat is not None else [None]):
                     name, tensor = next(stream)
                     if name != manifest["tensors"][i][0]:
                         raise ValueError(f"weight {name} sent where {manifest['tensors'][i][0]} was announced: "
                                          f"tensors must come in sorted-name order")
-                    parts.append(tensor.detach().to(device=device, dtype=dtype).reshape(-1))
-                self._broadcast(parts[0] if len(parts) == 1 else torch.cat(parts))
+                    if part is None:
+                        flat = tensor.detach().to(device=device, dtype=dtype).contiguous()
+                    else:
+                        part.copy_(tensor.detach().reshape(-1))
+                self._broadcast(flat)
 
     def close(self) -> None:
         if self.group is not None:

@@ -15,17 +15,16 @@ import asyncio
 import json
 import os
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-
-from collections import defaultdict
 
 import aiohttp
 import torch
 import torch.distributed as dist
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from pat_operator import fit
 from pat_operator import metric_names as names
@@ -104,7 +103,7 @@ class Trainer:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        require_fit(spec, model_dir, self.device)
+        check_device_memory(spec, model_dir, self.device)
         dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         # Bitwise reproducible training (a resumed run equals an uninterrupted one): on CPU the embedding and
         # gather backward otherwise accumulate in a thread-dependent order (~1e-8 per step); cuBLAS needs a
@@ -314,7 +313,7 @@ class Trainer:
                         state={"rng": checkpoint.rng_state(), "sampler": self.sampler.state_dict()})
 
 
-def require_fit(spec: RLHFJobSpec, model_dir: Path, device: torch.device) -> None:
+def check_device_memory(spec: RLHFJobSpec, model_dir: Path, device: torch.device) -> None:
     """Fails at start, before anything is allocated, when the fit check's estimate for one rank exceeds the
     memory free on its device (on CPU: the host's available memory shared by the host's ranks)."""
     if device.type == "cuda":
