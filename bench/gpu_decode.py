@@ -94,7 +94,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write every measurement as JSON here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_decode: no CUDA device here; this benchmark measures a GPU and needs one (see README: "
+        print("gpu_decode: no CUDA device here; this benchmark measures a GPU and needs one (see docs/limits.md: "
               "'What needs a GPU').", file=sys.stderr)
         return 2
     hf = hf_config("llama", **PRESETS[args.preset])

@@ -284,7 +284,7 @@ def render(cel: bool = True) -> str:
 
 
 def reference() -> str:
-    """The configuration reference in the README: one Markdown row per field of spec, from the CRD's schema (the
+    """The configuration reference in docs/configuration.md: one Markdown row per field of spec, from the CRD's schema (the
     names users write), with its type, limits and description (defaults included)."""
     rows = ["| field | type | description |", "|---|---|---|"]
 
@@ -315,7 +315,7 @@ def reference() -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m pat_operator.crd", description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-cel", action="store_true", help="leave out the CEL rules (servers before 1.25)")
-    ap.add_argument("--reference", action="store_true", help="print the README's configuration reference instead")
+    ap.add_argument("--reference", action="store_true", help="print docs/configuration.md's reference instead")
     args = ap.parse_args(argv)
     print(reference() if args.reference else render(cel=not args.no_cel), end="")
 

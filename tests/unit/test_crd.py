@@ -438,9 +438,9 @@ def test_the_trainer_world_rule_counts_ranks_as_the_models_do(trainer, prompts):
             assert ok
 
 
-def test_the_readmes_configuration_reference_is_what_the_models_generate():
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("<!-- reference:start -->\n") + 25:readme.index("<!-- reference:end -->")]
-    assert section == crd.reference(), "README.md's configuration reference is stale: paste the output of " \
+def test_the_docs_configuration_reference_is_what_the_models_generate():
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    section = doc[doc.index("<!-- reference:start -->\n") + 25:doc.index("<!-- reference:end -->")]
+    assert section == crd.reference(), "docs/configuration.md's reference is stale: paste the output of " \
         "`python -m pat_operator.crd --reference` between its reference markers"
     assert "| `spec.generator.adaptiveTP.controller` | `pod` \\| `operator` |" in section
