@@ -299,8 +299,12 @@ class Generator(PodTemplate):
     replicas: int = Field(1, ge=1, description="generator pods")
     ranks_per_pod: int | None = Field(None, ge=1, description="engine ranks per pod; default gpusPerPod (one rank "
                                       "per GPU); set it for CPU pods (gpusPerPod: 0)")
-    max_batch: int = Field(64, ge=1, description="sequences per TP=1 replica")
+    max_batch: int = Field(64, ge=1, description="sequences per TP=1 replica at most (like vLLM's max_num_seqs); "
+                           "the KV cache never holds more than maxBatch sequences of maxSeq tokens per rank")
     max_seq: int = Field(512, ge=2, description="prompt + response tokens per sequence")
+    memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of each GPU's memory the engine may "
+                                      "use: the weights, working memory, and the paged KV cache, which gets the "
+                                      "rest (like vLLM's gpu_memory_utilization)")
     port: int = Field(8000, ge=1, le=65535, description="the coordinator's HTTP port")
     adaptive_tp: AdaptiveTP = Field(AdaptiveTP(), alias="adaptiveTP")
 

@@ -20,7 +20,11 @@ def generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_file: str
     args = ["generator", "--model", model_dir, "--ranks", str(g.ranks), "--host", host, "--port", str(g.port),
             "--controller", controller, "--margin", str(a.min_gain), "--cooldown-steps", str(a.cooldown_steps),
             "--migration", a.migration, "--max-batch", str(g.max_batch), "--max-seq", str(g.max_seq),
-            "--dtype", spec.model.dtype, "--tp-sizes", ",".join(map(str, g.tp_sizes))]
+            "--memory-utilization", str(g.memory_utilization), "--dtype", spec.model.dtype,
+            "--tp-sizes", ",".join(map(str, g.tp_sizes)),
+            # A CPU pod stays on CPU where GPUs are visible anyway (pat run on a workstation); a GPU pod fails at
+            # start when it has fewer GPUs than ranks instead of falling back.
+            "--device", "cuda" if g.gpus_per_pod else "cpu"]
     if a.profile:
         args += ["--profile", a.profile]
     if spec.tokenizer.path:

@@ -284,8 +284,8 @@ def render(cel: bool = True) -> str:
 
 
 def reference() -> str:
-    """The configuration reference in docs/configuration.md: one Markdown row per field of spec, from the CRD's schema (the
-    names users write), with its type, limits and description (defaults included)."""
+    """The configuration reference in docs/configuration.md: one Markdown row per field of spec, from the CRD's
+    schema (the names users write), with its type, limits and description (defaults included)."""
     rows = ["| field | type | description |", "|---|---|---|"]
 
     def kind(node: dict[str, Any]) -> str:
@@ -297,8 +297,11 @@ def reference() -> str:
             return f"list of {kind(node.get('items', {}))}"
         if node.get("type") == "object" and "additionalProperties" in node:
             return f"map of {kind(node['additionalProperties'])}"
-        limits = [f"{sign} {node[key]}" for key, sign in (("minimum", ">="), ("exclusiveMinimum", ">"),
-                                                          ("maximum", "<="), ("minLength", "length >="))
+        # OpenAPI v3.0 marks an exclusive bound with a boolean beside it: minimum 0 + exclusiveMinimum true is > 0.
+        limits = [f"{strict if node.get(flag) else sign} {node[key]}"
+                  for key, sign, strict, flag in (("minimum", ">=", ">", "exclusiveMinimum"),
+                                                  ("maximum", "<=", "<", "exclusiveMaximum"),
+                                                  ("minLength", "length >=", "", ""))
                   if key in node]
         return " ".join([node.get("type", "any"), *([f"({', '.join(limits)})"] if limits else [])])
 

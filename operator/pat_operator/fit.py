@@ -14,11 +14,16 @@ Counted per rank (P parameters, W = trainer.world_size, e = 2 bytes per element 
   for one micro-batch of algorithm.maxTokensPerMicroBatch tokens (layer_activation_bytes per token and layer; with
   activation checkpointing each block keeps only its input, and one block at a time its whole set); the loss's
   lm_head + log-softmax over LOSS_CHUNK_TOKENS tokens at a time (logits, log-probabilities and a gradient, fp32).
-- generator engine rank: the whole replica in model.dtype (a TP shard is a view of it); the KV cache of maxBatch x
-  maxSeq tokens; and the larger of what briefly sits beside it: a regroup's new cache (the same size) or, at
-  start, two of the profiling pass's caches (engine/costs.py).
-HEADROOM (a tenth of each device) is kept free for what is not counted: the CUDA context, NCCL buffers, allocator
-fragmentation, the gradients of activations inside a block's backward, the engine's prefill activations.
+- generator engine rank, within generator.memoryUtilization of its GPU (like vLLM's gpu_memory_utilization): the
+  whole replica in model.dtype (a TP shard is a view of it); working memory: the fp32 logits of the largest decode
+  batch (maxBatch x the largest TP size), and one layer's activations (as the trainer's layer_activation_bytes
+  counts them: more than inference keeps) for the longest forward (a batched prefill of PREFILL_TOKENS or one
+  recomputed sequence of maxSeq); the profiling pass at start runs in the cache. Then the paged KV cache (blocks
+  of BLOCK_SIZE tokens) gets the rest, and a regroup's transfer buffers beside it (REGROUP_IN_FLIGHT of the cache). The cache never holds more than maxBatch sequences of maxSeq
+  tokens (all KV heads): a TP=t group holds t x maxBatch sequences with 1/t of the heads on each rank, the same
+  bytes per rank. The rank fits when the cache holds at least one sequence of maxSeq tokens.
+HEADROOM (a tenth of each trainer device) is kept free for what is not counted: the CUDA context, NCCL buffers,
+allocator fragmentation, the gradients of activations inside a block's backward.
 """
 
 from __future__ import annotations
@@ -36,9 +41,13 @@ from .layout import tp_degrees
 
 GIB = 1 << 30
 MIB = 1 << 20
-HEADROOM = 0.1  # of each device's memory, kept free for what is not counted (see above)
+HEADROOM = 0.1  # of each trainer device's memory, kept free for what is not counted (see above)
 LOSS_CHUNK_TOKENS = 1024  # tokens per lm_head + log-softmax chunk of the trainer's loss
-PROFILE_POSITIONS = 513  # positions of the engine's profiling caches (engine/costs.py: LONG_CONTEXT + 1)
+PREFILL_TOKENS = 4096  # padded tokens in one batched prefill of the engine (engine/engine.py)
+BLOCK_SIZE = 16  # tokens per KV block (engine/rank.py: EngineOptions.block_size)
+# Of the KV cache, what a regroup holds beside it at a time: a round's blocks sent and received, 4% of the cache
+# each way (engine/regroup.py).
+REGROUP_IN_FLIGHT = 0.08
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # GPU feature discovery's node label
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_GPUS_PER_POD = 8  # the largest pod a fix suggests (one node of 8 GPUs)
@@ -110,6 +119,7 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    max_positions: int | None = None  # config.json's max_position_embeddings
     tied_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
@@ -123,9 +133,11 @@ class ModelShape:
         try:
             heads = int(cfg["num_attention_heads"])
             model_type, attention_bias = cfg.get("model_type"), bool(cfg.get("attention_bias", False))
+            positions = cfg.get("max_position_embeddings")
             return cls(name, int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"]),
                        heads, int(cfg.get("num_key_value_heads") or heads),
                        int(cfg.get("head_dim") or cfg["hidden_size"] // heads), int(cfg["vocab_size"]),
+                       max_positions=int(positions) if positions else None,
                        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                        qkv_bias=model_type == "qwen2" or attention_bias,
                        o_bias=model_type != "qwen2" and attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -172,10 +184,12 @@ class ModelShape:
 # From the models' published config.json (meta-llama/Llama-3.1-8B, Qwen/Qwen3-14B on Hugging Face).
 SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape.from_hf(dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256),
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                            max_position_embeddings=131072),
                        "llama-3.1-8b"),
     ModelShape.from_hf(dict(model_type="qwen3", hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
-                            num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+                            num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                            max_position_embeddings=40960),
                        "qwen3-14b"),
 )}
 
@@ -285,25 +299,73 @@ def trainer_memory(spec: RLHFJobSpec, shape: ModelShape) -> Memory:
     return Memory(tuple(states + working))
 
 
-def generator_memory(spec: RLHFJobSpec, shape: ModelShape) -> Memory:
-    """Per generator engine rank (see the module's docstring)."""
+def engine_working_bytes(shape: ModelShape, dtype: str, max_batch: int, max_seq: int, ranks: int) -> float:
+    """An engine rank's working memory (the module's docstring); the engine sizes its KV cache with it too."""
+    tokens, rows = max(PREFILL_TOKENS, max_seq), max_batch * shape.tp_sizes(ranks)[-1]
+    logits = 3 * 4 * rows * shape.vocab  # logits, probabilities and a sorted copy (top-p), fp32
+    return tokens * layer_activation_bytes(shape, DTYPE_BYTES[dtype]) + logits
+
+
+def _engine_fixed(spec: RLHFJobSpec, shape: ModelShape) -> list[tuple[str, float]]:
+    """What an engine rank holds beside its KV cache: the weights and the working memory (the module's docstring)."""
     g, dtype = spec.generator, spec.model.dtype
-    kv_token = shape.kv_bytes_per_token(DTYPE_BYTES[dtype])
-    kv = g.max_batch * g.max_seq * kv_token
-    sizes = shape.tp_sizes(g.ranks)  # the profiling pass measures every size the model allows, one at a time
-    capacity = g.max_batch * sizes[-1]
-    # Each TP size's cache holds `capacity` sequences of 1/tp of the heads; the next is allocated before the last
-    # is freed.
-    profile = capacity * PROFILE_POSITIONS * kv_token * (1 + (1 / sizes[1] if len(sizes) > 1 else 0))
-    regroups = g.adaptive_tp.enabled and any(t > 1 and t in sizes for t in g.tp_sizes)
-    beside = (("regroup: the new layout's KV cache", kv) if regroups and kv >= profile
-              else ("profiling caches at start", profile))
-    return Memory(((f"weights ({dtype}, the whole model)", shape.params * DTYPE_BYTES[dtype]),
-                   (f"KV cache ({g.max_batch} x {g.max_seq} tokens)", kv), beside))
+    working = engine_working_bytes(shape, dtype, g.max_batch, g.max_seq, g.ranks)
+    return [(f"weights ({dtype}, the whole model)", shape.params * DTYPE_BYTES[dtype]),
+            (f"working memory (a forward of {max(PREFILL_TOKENS, g.max_seq)} tokens)", working)]
 
 
-ROLES: dict[str, Callable[[RLHFJobSpec, ModelShape], Memory]] = {"trainer": trainer_memory,
-                                                                  "generator": generator_memory}
+def _in_flight(spec: RLHFJobSpec, shape: ModelShape) -> float:
+    """REGROUP_IN_FLIGHT where the engine may regroup, else 0."""
+    g = spec.generator
+    regroups = g.adaptive_tp.enabled and any(t > 1 for t in g.tp_sizes if t in shape.tp_sizes(g.ranks))
+    return REGROUP_IN_FLIGHT if regroups else 0.0
+
+
+def sequence_blocks(spec: RLHFJobSpec) -> int:
+    """KV blocks of one sequence of maxSeq tokens (all KV heads)."""
+    return -(-spec.generator.max_seq // BLOCK_SIZE)
+
+
+def _block_bytes(spec: RLHFJobSpec, shape: ModelShape) -> int:
+    return BLOCK_SIZE * shape.kv_bytes_per_token(DTYPE_BYTES[spec.model.dtype])
+
+
+def kv_blocks(spec: RLHFJobSpec, shape: ModelShape, memory_bytes: float | None) -> tuple[int, int | None]:
+    """(blocks the KV cache of an engine rank holds, blocks memoryUtilization x memory_bytes has room for, or None
+    without a device to size it from); at most maxBatch sequences of maxSeq tokens."""
+    g = spec.generator
+    cap = g.max_batch * sequence_blocks(spec)
+    if memory_bytes is None:
+        return cap, None
+    rest = g.memory_utilization * memory_bytes - sum(b for _, b in _engine_fixed(spec, shape))
+    room = max(int(rest / (_block_bytes(spec, shape) * (1 + _in_flight(spec, shape)))), 0)
+    return min(cap, room), room
+
+
+def generator_memory(spec: RLHFJobSpec, shape: ModelShape, memory_bytes: float | None = None) -> Memory:
+    """Per generator engine rank on a device of memory_bytes (None: not known, the cache at its cap); see the
+    module's docstring. A cache without room for one sequence counts as one (what the rank needs at least)."""
+    g = spec.generator
+    blocks, room = kv_blocks(spec, shape, memory_bytes)
+    block, moving = _block_bytes(spec, shape), _in_flight(spec, shape)
+    if held := blocks // sequence_blocks(spec):
+        label = f"KV cache ({'at most ' * (room is None)}{held} x {g.max_seq} tokens)"
+    else:
+        label, blocks = f"KV cache (1 x {g.max_seq} tokens: no room)", sequence_blocks(spec)
+    terms = [*_engine_fixed(spec, shape), (label, blocks * block)]
+    if moving:
+        terms.append((f"regroup: KV in flight ({moving:.0%} of the cache)", moving * blocks * block))
+    return Memory(tuple(terms))
+
+
+def generator_need(spec: RLHFJobSpec, shape: ModelShape) -> float:
+    """The least an engine rank needs: its weights, working memory and a KV cache of one sequence of maxSeq."""
+    one = sequence_blocks(spec) * _block_bytes(spec, shape) * (1 + _in_flight(spec, shape))
+    return sum(b for _, b in _engine_fixed(spec, shape)) + one
+
+
+ROLES: dict[str, Callable[[RLHFJobSpec, ModelShape, float | None], Memory]] = {
+    "trainer": lambda spec, shape, _memory_bytes: trainer_memory(spec, shape), "generator": generator_memory}
 
 
 # --- the check ---------------------------------------------------------------------------------------------------
@@ -314,6 +376,17 @@ def gib(nbytes: float) -> str:
 
 def usable(memory_bytes: float) -> float:
     return memory_bytes * (1 - HEADROOM)
+
+
+def allowance(spec: RLHFJobSpec, role: str, memory_bytes: float) -> float:
+    """What a rank may use of a device's memory: a trainer rank all but HEADROOM, an engine rank memoryUtilization."""
+    return spec.generator.memory_utilization * memory_bytes if role == "generator" else usable(memory_bytes)
+
+
+def need(spec: RLHFJobSpec, shape: ModelShape, role: str) -> float:
+    """The least a rank needs: all that a trainer rank counts; an engine rank's weights, working memory and a KV
+    cache of one sequence of maxSeq (its cache takes the rest)."""
+    return trainer_memory(spec, shape).total if role == "trainer" else generator_need(spec, shape)
 
 
 def role_gpus(spec: RLHFJobSpec, name: str | None = None, *, lenient: bool = False) -> dict[str, GPU | None]:
@@ -335,11 +408,15 @@ def role_gpus(spec: RLHFJobSpec, name: str | None = None, *, lenient: bool = Fal
 
 
 def problems(spec: RLHFJobSpec, shape: ModelShape, gpus: dict[str, GPU | None]) -> list[str]:
-    """One message per role that does not fit its GPU (a role mapped to None is not checked), naming the field to
-    change and the least change that fits."""
-    return [message for role, g in gpus.items()
+    """A generator.maxSeq beyond the model's positions, and one message per role that does not fit its GPU (a role
+    mapped to None is not checked), naming the field to change and the least change that fits."""
+    seq, positions = spec.generator.max_seq, shape.max_positions
+    beyond = (f"spec.generator.maxSeq: generator.maxSeq={seq} is beyond the model's max_position_embeddings="
+              f"{positions}; lower generator.maxSeq to {positions} or less")
+    over = [message for role, g in gpus.items()
             if g is not None and (message := _check(spec, shape, role, g.memory_bytes,
                                                      f"an {g.name}'s {gib(g.memory_bytes)}"))]
+    return [beyond] * bool(positions and seq > positions) + over
 
 
 def known_problems(spec: RLHFJobSpec, shape: ModelShape | None = None) -> list[str]:
@@ -368,34 +445,43 @@ def check_free(spec: RLHFJobSpec, shape: ModelShape, free_bytes: float, role: st
 # What each role's fixes change, in the order they are preferred: the cheapest in speed or GPUs first.
 FIXES = {"trainer": ("algorithm.maxTokensPerMicroBatch", "trainer.activationCheckpointing", "trainer.gpusPerPod",
                      "trainer.replicas", "trainer.cpuOffload"),
-         "generator": ("generator.maxBatch", "model.dtype", "generator.maxSeq")}
+         "generator": ("generator.memoryUtilization", "model.dtype", "generator.maxSeq")}
 MAX_REPLICAS = 64  # the most trainer pods a fix suggests
 
 
 def _check(spec: RLHFJobSpec, shape: ModelShape, role: str, capacity: float, of: str) -> str | None:
-    need, budget = ROLES[role](spec, shape).total, usable(capacity)
-    if need <= budget:
+    needed, allowed = need(spec, shape, role), allowance(spec, role, capacity)
+    if needed <= allowed:
         return None
     unit = "GPU" if getattr(spec, role).gpus_per_pod > 0 else "rank"
-    who = f"a {role} rank of {shape.name} needs {gib(need)} per {unit}"
-    room = f"more than the {gib(budget)} usable of {of} ({HEADROOM:.0%} kept free)"
-    fixes = list(_fixes(spec, shape, role, budget))
+    who = f"a {role} rank of {shape.name} needs {gib(needed)} per {unit}"
+    if role == "generator":
+        who += f" (weights, working memory and the KV cache of one sequence of maxSeq={spec.generator.max_seq} tokens)"
+        room = f"more than the {gib(allowed)} it may use of {of}"
+    else:
+        room = f"more than the {gib(allowed)} usable of {of} ({HEADROOM:.0%} kept free)"
+    fixes = list(_fixes(spec, shape, role, capacity))
     if not fixes:
         return (f"spec.{role}.nodeSelector: {who}, {room}, and no single change of {', '.join(FIXES[role])} fits; "
                 f"use GPUs with more memory")
-    (path, now, new, fixed), *others = fixes
+
+    def result(fixed: float, fixed_allowed: float) -> str:
+        return gib(fixed) + (f" of {gib(fixed_allowed)}" if fixed_allowed != allowed else "")
+
+    (path, now, new, *fixed), *others = fixes
     name = path.rsplit(".", 1)[1]
-    also = "; also fits: " + ", ".join(f"{p}={_text(v)} ({gib(b)})" for p, _, v, b in others) if others else ""
-    return f"spec.{path}: {who} with {name}={_text(now)}, {room}; with {name}={_text(new)}: {gib(fixed)}{also}"
+    also = "; also fits: " + ", ".join(f"{p}={_text(v)} ({result(*f)})" for p, _, v, *f in others) if others else ""
+    return f"spec.{path}: {who} with {name}={_text(now)}, {room}; with {name}={_text(new)}: {result(*fixed)}{also}"
 
 
 def _text(value: Any) -> str:
     return json.dumps(value) if isinstance(value, bool) else str(value)  # as YAML writes it
 
 
-def _fixes(spec: RLHFJobSpec, shape: ModelShape, role: str, budget: float) -> Iterator[tuple[str, Any, Any, float]]:
-    """(field path, its value now, the least change of it that fits, the need with it) for each field of
-    FIXES[role] that has one; a change that would make the spec invalid is not one."""
+def _fixes(spec: RLHFJobSpec, shape: ModelShape, role: str,
+           capacity: float) -> Iterator[tuple[str, Any, Any, float, float]]:
+    """(field path, its value now, the least change of it that fits, the need and the allowance with it) for each
+    field of FIXES[role] that has one; a change that would make the spec invalid is not one."""
     a, t, g = spec.algorithm, spec.trainer, spec.generator
     if role == "trainer":
         halved = [1 << i for i in range(a.max_tokens_per_micro_batch.bit_length() - 1, 0, -1)]
@@ -407,7 +493,8 @@ def _fixes(spec: RLHFJobSpec, shape: ModelShape, role: str, budget: float) -> It
                  "trainer.replicas": (t.replicas, range(t.replicas + 1, MAX_REPLICAS + 1)),
                  "trainer.cpuOffload": (t.cpu_offload, [True] * (t.gpus_per_pod > 0 and not t.cpu_offload))}
     else:
-        tried = {"generator.maxBatch": (g.max_batch, range(g.max_batch - 1, 0, -1)),
+        tried = {"generator.memoryUtilization": (g.memory_utilization, [
+                     v / 100 for v in range(int(g.memory_utilization * 100) + 1, 101)]),
                  "model.dtype": (spec.model.dtype, ["bfloat16"] * (spec.model.dtype == "float32")),
                  "generator.maxSeq": (g.max_seq, range((g.max_seq - 1) // 256 * 256, 0, -256))}
     for path in FIXES[role]:
@@ -416,8 +503,9 @@ def _fixes(spec: RLHFJobSpec, shape: ModelShape, role: str, budget: float) -> It
             # One rank per GPU: a new gpusPerPod takes ranksPerPod with it.
             changed = _changed(spec, {path: value, **({"trainer.ranksPerPod": None} if path == "trainer.gpusPerPod"
                                                       else {})})
-            if changed is not None and (need := ROLES[role](changed, shape).total) <= budget:
-                yield path, now, value, need
+            if changed is not None and (needed := need(changed, shape, role)) <= (
+                    allowed := allowance(changed, role, capacity)):
+                yield path, now, value, needed, allowed
                 break
 
 

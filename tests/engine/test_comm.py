@@ -161,8 +161,8 @@ def test_dead_peer_is_reported():
         assert dead_ranks == {1} and elapsed < 5.0
 
 
-def _peer_sleeps(rank: int, world: int):
-    pool = CommunicatorPool.build(rank, world, backend="shm", timeout=0.5)
+def _peer_sleeps(rank: int, world: int, backend: str):
+    pool = CommunicatorPool.build(rank, world, backend=backend, timeout=0.5)
     comm = pool.get((0, 1))
     if rank == 1:
         time.sleep(1.5)
@@ -178,8 +178,10 @@ def _peer_sleeps(rank: int, world: int):
     return failed
 
 
-def test_timeout_without_dead_peer():
-    (elapsed, dead_ranks), _ = run_ranks(_peer_sleeps, 2)
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_timeout_without_dead_peer(backend):
+    """A peer alive but stalled: the collective fails after the timeout instead of hanging."""
+    (elapsed, dead_ranks), _ = run_ranks(_peer_sleeps, 2, backend)
     assert dead_ranks == frozenset()
     assert 0.45 <= elapsed < 1.5
 

@@ -1,15 +1,18 @@
 """Continuous batching on one rank: requests join and leave between steps; each one's tokens are what it
 would get alone."""
 
+import dataclasses
+
 import pytest
 
 from pat_workers.engine.comm import SoloCommunicator
 from pat_workers.engine.engine import Engine, Request
+from pat_workers.engine.kv import PagedKV
 from pat_workers.engine.loader import load_model
 from pat_workers.engine.model import Transformer
 from pat_workers.engine.sampling import SamplingParams
 
-from .conftest import fresh, make_requests
+from .conftest import fresh, make_requests, mismatches
 
 
 class OneRankPool:
@@ -69,3 +72,98 @@ def test_stop_tokens_eos_and_limits(model):
     done = drain(engine, {0: [eos, ignored]})[0]
     assert done["eos"].output == first[:2] and done["eos"].finish_reason == "stop"
     assert done["ignored"].output == first and done["ignored"].finish_reason == "length"
+
+
+def test_a_full_pool_preempts_the_newest_and_recomputes_it(model):
+    """A pool of one max_seq sequence (12 blocks of 16 tokens + scratch) for 8 requests: the newest are preempted
+    back to the queue and re-prefilled later, and every request still gets the tokens it gets alone."""
+    requests = [Request(r.id, r.prompt, dataclasses.replace(r.params, max_tokens=60 + 5 * i))
+                for i, r in enumerate(make_requests(8))]
+    alone = {}
+    for r in fresh(requests):
+        alone.update(drain(Engine(model, OneRankPool(), max_batch=8, max_seq=192), {0: [r]})[0])
+    engine = Engine(model, OneRankPool(), max_batch=8, max_seq=192, kv_blocks=13)
+    preempted, done = 0, {}
+    engine.add(fresh(requests))
+    while engine.has_work():
+        stats = engine.step()
+        preempted += stats.preempted
+        done.update((r.id, r) for r in stats.finished)
+        assert engine.kv.free_blocks >= 0 and engine.kv.refs[0] == 1
+    assert preempted > 0
+    assert not mismatches(alone, done)
+    assert engine.kv.free_blocks == 12 and not engine.tables  # every block came back
+
+
+def test_too_small_a_pool_is_refused(model):
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_seq=192"):
+        Engine(model, OneRankPool(), max_batch=8, max_seq=192, kv_blocks=12)
+
+
+def test_samples_of_one_prompt_share_its_prefill_and_blocks(model):
+    """G samples per prompt: each prompt is prefilled once, its blocks are shared until a sample writes into one
+    (copy on write), and every sample gets what it gets with a prefill of its own."""
+    prompts = [[256] + [(7 * i + j) % 250 for j in range(n)] for i, n in enumerate((20, 31, 47))]  # 32: a full block
+    requests = [Request(f"p{i}-s{k}", p, SamplingParams(max_tokens=12 + 5 * k, temperature=1.0, seed=k, top_k=40 * k))
+                for i, p in enumerate(prompts) for k in range(4)]
+    alone = {}
+    for r in fresh(requests):
+        alone.update(drain(Engine(model, OneRankPool(), max_batch=8, max_seq=192), {0: [r]})[0])
+    engine = Engine(model, OneRankPool(), max_batch=16, max_seq=192)
+    engine.add(fresh(requests))
+    stats = engine.step()
+    assert stats.prefill_tokens == sum(map(len, prompts))  # once per prompt, not once per sample
+    shared = sum(ref > 1 for ref in engine.kv.refs[1:])
+    assert shared == sum(len(p) // 16 for p in prompts)  # full prompt blocks stay shared; partial ones were copied
+    done = {r.id: r for r in stats.finished}
+    while engine.has_work():
+        done.update((r.id, r) for r in engine.step().finished)
+    assert not mismatches(alone, done)
+    assert len({tuple(done[f"p0-s{k}"].output[:12]) for k in range(4)}) == 4  # the seeds differ: so do the samples
+
+
+def test_decode_step_compiles_as_one_graph_and_equals_eager(model):
+    """The decode step (forward over the block tables + sampling) has no graph break and no host sync:
+    torch.compile(fullgraph=True) takes it whole, and its tokens and log-probabilities equal eager mode's."""
+    import torch
+
+    engine = Engine(model, OneRankPool(), max_batch=8, max_seq=192)
+    engine.add(fresh(make_requests(6)))
+    for _ in range(3):
+        engine.step()
+    rows = list(engine.running)
+    inputs = engine.decode_inputs(rows)
+    eager = engine._decode(*inputs)
+    compiled = torch.compile(engine._decode, fullgraph=True)(*inputs)
+    assert torch.equal(eager[0], compiled[0])
+    assert torch.allclose(eager[1], compiled[1], atol=1e-4)
+
+
+def test_kv_budget_is_checked_before_memory_is_taken(model, model_dir):
+    """The pool's size comes from the device's memory before the weights are loaded, as pat plan counts it; too
+    little for one maxSeq sequence, or a maxSeq beyond the model's positions, is an error naming the spec field."""
+    from pat_operator.fit import read_shape
+    from pat_workers.engine.rank import EngineOptions, kv_cache_blocks
+
+    cfg, shape, gib = model.cfg, read_shape(model_dir / "config.json"), 1 << 30
+    opts = EngineOptions(max_batch=8, max_seq=192)
+    block = PagedKV.block_bytes(cfg, 16, cfg.num_kv_heads // 4, 4)
+    assert kv_cache_blocks(opts, cfg, shape, 4, 64 * gib, 64 * gib) == 8 * 12 * 4 + 1  # capped at maxBatch sequences
+    explicit = dataclasses.replace(opts, kv_cache_bytes=100 * block)
+    assert kv_cache_blocks(explicit, cfg, shape, 4, 0, 0) == 101
+    with pytest.raises(ValueError, match=r"kv-cache-bytes.*generator.maxSeq=192.*raise --kv-cache-bytes"):
+        kv_cache_blocks(dataclasses.replace(opts, kv_cache_bytes=47 * block), cfg, shape, 4, 64 * gib, 64 * gib)
+    tight = dataclasses.replace(opts, memory_utilization=0.0001)
+    with pytest.raises(ValueError, match=r"generator.memoryUtilization=0.0001 of 1.00 GiB .*raise generator.memory"):
+        kv_cache_blocks(tight, cfg, shape, 4, gib, gib)
+    with pytest.raises(ValueError, match=r"generator.maxSeq=9000 is beyond the model's max_position_embeddings"):
+        kv_cache_blocks(dataclasses.replace(opts, max_seq=9000), cfg, shape, 4, 64 * gib, 64 * gib)
+
+
+def test_a_pod_whose_cache_cannot_hold_a_sequence_fails_at_start(model_dir):
+    from pat_workers.engine.generator import GeneratorError, LocalGenerator
+    from pat_workers.engine.rank import EngineOptions
+
+    options = EngineOptions(max_batch=4, max_seq=192, kv_cache_bytes=4096, device="cpu", profile_batches=(1,))
+    with pytest.raises(GeneratorError, match=r"one sequence of generator.maxSeq=192 tokens needs"):
+        LocalGenerator(model_dir, 1, options).start()

@@ -6,7 +6,7 @@ import transformers  # a test dependency: make test installs it
 
 from pat_workers.engine.comm import SoloCommunicator
 from pat_workers.engine.config import ModelConfig
-from pat_workers.engine.kv import KVCache
+from pat_workers.engine.kv import PagedKV
 from pat_workers.engine.loader import load_model
 from pat_workers.engine.model import Transformer
 
@@ -41,19 +41,21 @@ def test_logits_equal_transformers(tmp_path, family):
     tokens = torch.randint(0, DIMS["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf_model(tokens).logits[0]  # [T, vocab]
-        cache = KVCache.allocate(cfg, slots=1, kv_heads=cfg.num_kv_heads, max_seq=64, dtype=torch.float32)
+        kv = PagedKV(cfg, 17, 4, cfg.num_kv_heads, torch.float32)  # blocks of 4 tokens: 40 tokens span 10
+        table = kv.tables_for(1, 64, 1).flip(-1)  # blocks out of order, as a paged cache hands them out
         # Prefill the first 30 tokens in one pass, then decode the rest one at a time through the cache.
-        got = [model.forward(shard, comm, tokens[:, :30], torch.tensor([0]), cache.k, cache.v)[0]]
+        got = [model.forward(shard, comm, kv, tokens[:, :30], torch.tensor([0]), table[..., :8])[0]]
         for pos in range(30, 40):
-            got.append(model.forward(shard, comm, tokens[:, pos:pos + 1], torch.tensor([pos]), cache.k, cache.v)[0])
-        # A fixed attention length (what a CUDA graph captures) changes nothing: the mask hides the rest.
-        static = model.forward(shard, comm, tokens[:, 39:40], torch.tensor([39]), cache.k, cache.v, length=64)[0]
+            got.append(model.forward(shard, comm, kv, tokens[:, pos:pos + 1], torch.tensor([pos]),
+                                     table[..., :pos // 4 + 1])[0])
+        # A wider table (what a CUDA graph of a larger context bucket reads) changes nothing: the mask hides the rest.
+        static = model.forward(shard, comm, kv, tokens[:, 39:40], torch.tensor([39]), table)[0]
     diff = max((g - e).abs().max().item() for g, e in zip(got, [expected[29], *expected[30:]]))
     assert diff < 1e-4, f"{family}: max |engine - transformers| = {diff}"
     assert (static - expected[39]).abs().max().item() < 1e-4
     # Negative control: a perturbed weight must break the comparison.
     weights["model.layers.1.mlp.down_proj.weight"].mul_(3.0)
     with torch.no_grad():
-        cache = KVCache.allocate(cfg, slots=1, kv_heads=cfg.num_kv_heads, max_seq=64, dtype=torch.float32)
-        bad = model.forward(shard, comm, tokens[:, :30], torch.tensor([0]), cache.k, cache.v)[0]
+        kv.reset()
+        bad = model.forward(shard, comm, kv, tokens[:, :30], torch.tensor([0]), kv.tables_for(1, 32, 1))[0]
     assert (bad - expected[29]).abs().max().item() > 1e-3

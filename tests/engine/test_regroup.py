@@ -60,6 +60,10 @@ def test_regroup_matches_single_process(gen4, reference, transition, point, migr
     assert other == 0
     if point != "before-first-step":  # requests were decoding: they crossed over in the forced mode
         assert moved > 0
+    for r in reports:  # blocks move in place, in rounds: never a second cache, at most ~10% of the pool beside it
+        assert r.kv_buffer_bytes <= 0.1 * r.kv_pool_bytes, r
+        if migration == "kv" and moved and r.kv_bytes:
+            assert r.kv_buffer_bytes > 0
     assert gen4.layout == target
     assert mismatches(reference, result.completions) == []
 

@@ -57,7 +57,16 @@ def test_rejections_name_the_problem_and_leave_the_running_batch_alone(operator_
          422, "requests.0: Value error, set exactly one of prompt (text) or prompt_token_ids"),
         ("POST", "/v1/rollouts", {**good, "requests": [rollout("typo", [1], 4, temprature=1)]}, 422,
          "requests.0.sampling.temprature: Extra inputs are not permitted"),
+        # A request that can never be generated is refused as such while the batch runs: waiting would not help.
+        ("POST", "/v1/rollouts", {**good, "requests": [rollout("ok", [256, 1], 4), rollout("far", [256, 320], 4)]},
+         422, "request far: prompt token id 320 is outside the vocabulary (0..319)"),
+        ("POST", "/v1/rollouts", {**good, "requests": [rollout("ok", [256, 1], 4), rollout("long", [1] * 512, 4)]},
+         422, "request long: prompt has 512 tokens; it must have 1 to 511"),
+        ("POST", "/v1/rollouts", {**good, "requests": [rollout("longer", [1] * 600, 4)]}, 422,
+         "request longer: prompt has 600 tokens"),
         ("POST", "/v1/rollouts", good, 409, "batch 'busy' is generating"),
+        # The same ids again (a resent batch): the running batch's conflict, not the engine's refusal of the ids.
+        ("POST", "/v1/rollouts", {**good, "requests": requests}, 409, "batch 'busy' is generating"),
         ("POST", "/v1/weights", {"version": version + 1, "address": "127.0.0.1:1", "world": 3, "rank_offset": 1},
          409, "batch 'busy' is generating"),
         ("POST", "/v1/weights", {"version": version + 1, "address": "127.0.0.1:1", "world": 1, "rank_offset": 1},
@@ -76,12 +85,13 @@ def test_rejections_name_the_problem_and_leave_the_running_batch_alone(operator_
     assert not during["batch_done"] and during["batch_id"] == "busy", "the batch ended before the last rejection"
     assert (during["layout"], during["epoch"], during["policy_version"]) == (
         before["layout"], before["epoch"], before["policy_version"])
-    assert mismatched(pod.finish("busy"), reference(requests)) == []
-    # Checked by the engine once the pod is idle: refused whole, nothing generated for any request.
-    for bad, message in ((rollout("far", [256, 320], 4), "prompt token id 320 is outside the vocabulary"),
-                         (rollout("long", [1] * 600, 4), "prompt has 600 tokens; it must have 1 to 511")):
-        got, reply = pod.call("POST", "/v1/rollouts", {**good, "requests": [rollout("ok", [256, 1], 4), bad]})
-        assert got == 422 and message in reply["error"], reply
+    completions = pod.finish("busy")
+    assert [c["id"] for c in completions] == [r["id"] for r in requests]  # every request, none of the refused
+    assert mismatched(completions, reference(requests)) == []
+    # Idle, the same refusal: whole, nothing generated for any request of the batch.
+    got, reply = pod.call("POST", "/v1/rollouts", {**good, "requests": [rollout("ok", [256, 1], 4),
+                                                                        rollout("far", [256, 320], 4)]})
+    assert got == 422 and "prompt token id 320 is outside the vocabulary" in reply["error"], reply
     got, reply = pod.call("POST", "/v1/rollouts", {**good, "requests": [rollout("d", [1], 4), rollout("d", [2], 4)]})
     assert got == 422 and "requests.1.id: 'd' repeats requests.0.id" in reply["error"], reply
     got, reply = pod.call("POST", "/v1/rollouts", {**good, "policy_version": version + 1})

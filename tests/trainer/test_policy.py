@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pat_workers.engine.comm import SoloCommunicator
-from pat_workers.engine.kv import KVCache
+from pat_workers.engine.kv import PagedKV
 from pat_workers.engine.loader import load_model
 from pat_workers.engine.model import Transformer
 from pat_workers.engine.tiny import make_tiny_model
@@ -25,8 +25,8 @@ def prefill_logprobs(model_dir, row: torch.Tensor) -> torch.Tensor:
     shard, comm = model.shard(1, 0), SoloCommunicator(0)
     out = []
     for end in range(1, len(row)):
-        cache = KVCache.allocate(cfg, slots=1, kv_heads=cfg.num_kv_heads, max_seq=end, dtype=torch.float32)
-        logits = model.forward(shard, comm, row[None, :end], torch.tensor([0]), cache.k, cache.v)[0]
+        kv = PagedKV(cfg, 2 + end // 16, 16, cfg.num_kv_heads, torch.float32)
+        logits = model.forward(shard, comm, kv, row[None, :end], torch.tensor([0]), kv.tables_for(1, end, 1))[0]
         out.append(torch.log_softmax(logits, -1)[row[end]])
     return torch.stack(out)
 

@@ -2,9 +2,10 @@
 
 from pathlib import Path
 
+import pytest
 import yaml
 
-from pat_operator import builders
+from pat_operator import builders, commands
 from pat_operator.api import parse_job
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "local.yaml"
@@ -100,14 +101,34 @@ def test_pat_trainer_hands_the_pod_command_to_torch_distributed_run(monkeypatch)
     assert pat(c["args"][:c["args"].index("--")]) == 2 and len(launched) == 1  # no `--`: nothing is started
 
 def test_generator_pod_has_probe_shm_and_the_adaptive_tp_settings():
-    j = job(generator={"adaptiveTP": {"tpSizes": [1, 2], "minGain": 0.3, "controller": "operator"}})
+    j = job(generator={"adaptiveTP": {"tpSizes": [1, 2], "minGain": 0.3, "controller": "operator"},
+                       "memoryUtilization": 0.85})
     (c,) = builders.pod(j, "u", "generator", 0, 0)["spec"]["containers"]
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     a = c["args"]
-    assert [a[a.index(f) + 1] for f in ("--ranks", "--controller", "--margin", "--tp-sizes", "--host")] == [
-        "2", "operator", "0.3", "1,2", "$(POD_IP)"]
+    flags = ("--ranks", "--controller", "--margin", "--tp-sizes", "--host", "--memory-utilization", "--device")
+    assert [a[a.index(f) + 1] for f in flags] == ["2", "operator", "0.3", "1,2", "$(POD_IP)", "0.85", "cpu"]
+    gpus = job(generator={"gpusPerPod": 2, "ranksPerPod": None})
+    (c,) = builders.pod(gpus, "u", "generator", 0, 0)["spec"]["containers"]
+    assert c["args"][c["args"].index("--device") + 1] == "cuda"
 
+
+@pytest.mark.parametrize("flag, value, error", [
+    ("--memory-utilization", "0", "engine option memory_utilization=0.0 is invalid: use a fraction in (0, 1]"),
+    ("--kv-cache-bytes", "-1", ("engine option kv_cache_bytes=-1 is invalid: use 0 (from memory_utilization) or a "
+                                "byte count")),
+], ids=["memory-utilization", "kv-cache-bytes"])
+def test_the_generator_takes_the_pods_flags_and_exits_2_on_a_bad_engine_option(monkeypatch, capsys, flag, value,
+                                                                                 error):
+    """Every flag of the pod's command line parses (argparse would name an unknown one); the engine's options
+    are checked before any rank starts."""
+    from pat_workers.generator.__main__ import main as generator
+
+    monkeypatch.setenv("PAT_JOB_TOKEN", "token")
+    args = commands.generator_args(job().spec, "/no/model", "127.0.0.1")
+    assert args[0] == "generator" and generator([*args[1:], flag, value]) == 2
+    assert capsys.readouterr().err == f"pat generator: {error}\n"
 
 def test_custom_command_replaces_the_worker_and_its_init_container():
     j = job(generator={"command": ["sleep", "infinity"]})

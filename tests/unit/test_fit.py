@@ -9,15 +9,17 @@ import pytest
 import yaml
 
 from pat_operator import fit
-from pat_operator.api import parse_job
+from pat_operator.api import Generator, parse_job
 from pat_workers.cli import main as pat
 from pat_workers.engine.config import ModelConfig
-from pat_workers.engine.costs import LONG_CONTEXT
+from pat_workers.engine.engine import PREFILL_TOKENS_PER_FORWARD
+from pat_workers.engine.rank import EngineOptions
 from pat_workers.engine.tiny import random_weights
 
 ROOT = Path(__file__).parents[2]
 LLAMA = fit.SHAPES["llama-3.1-8b"]
-GIB = 1 << 30
+GIB, MIB = 1 << 30, 1 << 20
+H100 = fit.GPUS["H100-SXM"].memory_bytes
 
 
 def job(name: str = "llama-3.1-8b.yaml", **edits) -> dict:
@@ -33,6 +35,11 @@ def job(name: str = "llama-3.1-8b.yaml", **edits) -> dict:
 
 def spec(**edits):
     return parse_job(job(**edits)).spec
+
+
+def small_batch(**edits):
+    """The example with 16 sequences per replica: a KV cache that maxBatch caps, not memory."""
+    return spec(**{"generator.maxBatch": 16, **edits})
 
 
 def test_llama_3_1_8b_by_hand():
@@ -70,15 +77,37 @@ def test_cpu_offload_moves_the_sharded_states_to_the_host():
 
 
 def test_generator_bytes_per_gpu():
-    m = fit.generator_memory(spec(), LLAMA)
-    kv = 16 * 9216 * (128 << 10)
-    assert m.terms == (("weights (bfloat16, the whole model)", 2 * 8_030_261_248), ("KV cache (16 x 9216 tokens)", kv),
-                       ("regroup: the new layout's KV cache", kv))
-    # Without regroups the profiling pass's caches count instead: 16 x 8 sequences of 513 tokens at TP1, then
-    # at TP2 (half the heads) before the first is freed.
-    fixed = fit.generator_memory(spec(**{"generator.adaptiveTP.enabled": False}), LLAMA)
-    assert fixed.terms[2] == ("profiling caches at start", 16 * 8 * 513 * (128 << 10) * 1.5)
-    assert fit.PROFILE_POSITIONS == LONG_CONTEXT + 1
+    """The example on an H100: the weights; working memory, the fp32 logits of maxBatch x 8 rows (TP=8) x 3 and a
+    forward's activations over maxSeq tokens (profiling runs in the cache); then the KV cache at maxBatch's cap,
+    16 x 9216 tokens in blocks of 16 tokens x 128 KiB, with a regroup's 8% beside it."""
+    weights, logits = 2 * 8_030_261_248, 3 * 4 * 16 * 8 * 128256
+    working = 9216 * 200_832 + logits
+    m = fit.generator_memory(small_batch(), LLAMA, H100)
+    assert m.terms == (("weights (bfloat16, the whole model)", weights),
+                       ("working memory (a forward of 9216 tokens)", working),
+                       ("KV cache (16 x 9216 tokens)", 16 * 576 * 2 * MIB),
+                       ("regroup: KV in flight (8% of the cache)", 0.08 * 18 * GIB))
+    # memoryUtilization (0.9) of the H100 less the weights and the working memory: room for 45 sequences.
+    room = int((0.9 * H100 - weights - working) / (2 * MIB * 1.08))
+    assert fit.kv_blocks(small_batch(), LLAMA, H100) == (16 * 576, room) and room // 576 == 45
+    # At 0.4 the cache takes the rest: 12 sequences of maxSeq, fewer than maxBatch.
+    low = small_batch(**{"generator.memoryUtilization": 0.4})
+    blocks = int((0.4 * H100 - weights - working) / (2 * MIB * 1.08))
+    assert fit.kv_blocks(low, LLAMA, H100) == (blocks, blocks) and blocks // 576 == 12
+    assert fit.generator_memory(low, LLAMA, H100).terms[2] == ("KV cache (12 x 9216 tokens)", blocks * 2 * MIB)
+    assert fit.generator_memory(low, LLAMA, H100).total <= 0.4 * H100
+    # One rank: no regroup (nothing in flight), 16 rows.
+    alone = fit.generator_memory(small_batch(**{"generator.gpusPerPod": 1}), LLAMA, H100)
+    assert alone.terms[1:] == (("working memory (a forward of 9216 tokens)", 9216 * 200_832 + logits / 8),
+                               ("KV cache (16 x 9216 tokens)", 18 * GIB))
+    # No GPU known: the cap.
+    assert fit.generator_memory(small_batch(), LLAMA).terms[2] == ("KV cache (at most 16 x 9216 tokens)", 18 * GIB)
+
+
+def test_the_estimate_and_the_spec_follow_the_engine():
+    options = EngineOptions()
+    assert (fit.PREFILL_TOKENS, fit.BLOCK_SIZE) == (PREFILL_TOKENS_PER_FORWARD, options.block_size)
+    assert Generator.model_fields["memory_utilization"].default == options.memory_utilization
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -134,11 +163,30 @@ def test_the_cheapest_fix_comes_first_and_is_the_least_that_fits():
     assert fit.problems(fixed, LLAMA, fit.role_gpus(s)) == [] and fit.problems(doubled, LLAMA, fit.role_gpus(s))
 
 
-def test_a_generator_that_does_not_fit_gets_a_smaller_batch():
-    s = spec(**{"generator.maxBatch": 64})
+def test_a_generator_without_room_for_one_sequence_names_memory_utilization():
+    """The least an engine rank needs: its weights, working memory and the KV cache of one sequence of maxSeq."""
+    s = small_batch(**{"generator.memoryUtilization": 0.2})
     (message,) = fit.problems(s, LLAMA, fit.role_gpus(s))
-    assert message.startswith("spec.generator.maxBatch: a generator rank of llama-3.1-8b needs 159.0 GiB per GPU with "
-                              "maxBatch=64") and "with maxBatch=25: 71.2 GiB" in message
+    assert message == ("spec.generator.memoryUtilization: a generator rank of llama-3.1-8b needs 18.1 GiB per GPU "
+                       "(weights, working memory and the KV cache of one sequence of maxSeq=9216 tokens) with "
+                       "memoryUtilization=0.2, more than the 15.9 GiB it may use of an H100-SXM's 79.6 GiB; with "
+                       "memoryUtilization=0.23: 18.1 GiB of 18.3 GiB")
+    assert fit.problems(small_batch(**{"generator.memoryUtilization": 0.23}), LLAMA, fit.role_gpus(s)) == []
+    # float32 weights on one GPU: bfloat16 fits too, and a shorter maxSeq where the spec allows one.
+    s = small_batch(**{"generator.memoryUtilization": 0.42, "generator.gpusPerPod": 1, "model.dtype": "float32",
+                "algorithm.maxResponseTokens": 1024, "reward.overlongBuffer": 512})
+    (message,) = fit.problems(s, LLAMA, fit.role_gpus(s))
+    assert message.endswith("with memoryUtilization=0.45: 35.4 GiB of 35.8 GiB; also fits: model.dtype=bfloat16 "
+                            "(17.8 GiB), generator.maxSeq=5888 (33.4 GiB)")
+
+
+def test_max_seq_beyond_the_models_positions():
+    s = spec(**{"generator.maxSeq": 131073, "algorithm.maxTokensPerMicroBatch": 131073})
+    assert fit.problems(s, LLAMA, {}) == [("spec.generator.maxSeq: generator.maxSeq=131073 is beyond the model's "
+                                           "max_position_embeddings=131072; lower generator.maxSeq to 131072 or less")]
+    assert fit.problems(spec(), fit.SHAPES["qwen3-14b"], {}) == []  # 9216 of 40960
+    assert fit.ModelShape.from_hf({**fit.hf_config("llama", **fit.PRESETS["test"]), "max_position_embeddings": None},
+                                  "x").max_positions is None  # not said: not checked
 
 
 def test_no_single_change_fits():
@@ -204,8 +252,45 @@ def test_pat_plan_names_what_it_lacks(capsys):
 
 
 def test_pat_plan_reads_a_config_json_and_the_gpu_flag(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps(fit.hf_config("qwen3", **fit.PRESETS["bench"])))
-    code, out, _ = run(capsys, "plan", str(ROOT / "examples" / "llama-3.1-8b.yaml"), "--model-config",
-                       str(tmp_path / "config.json"), "--gpu", "L40S")
+    config = fit.hf_config("qwen3", **fit.PRESETS["bench"])  # max_position_embeddings 8192: below maxSeq
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["plan", str(ROOT / "examples" / "llama-3.1-8b.yaml"), "--model-config", str(tmp_path / "config.json"),
+            "--gpu", "L40S"]
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and err.endswith("does not fit:\n  spec.generator.maxSeq: generator.maxSeq=9216 is beyond the "
+                                      "model's max_position_embeddings=8192; lower generator.maxSeq to 8192 or less\n")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
+    code, out, _ = run(capsys, *argv)
     assert code == 0 and f"{fit.tiny_shape('bench', 'qwen3').params:,} parameters" in out
-    assert out.count("on an L40S: 40.5 GiB usable of 45.0 GiB (10% kept free)") == 2
+    assert "on an L40S: 40.5 GiB usable of 45.0 GiB (10% kept free)" in out
+    assert "on an L40S: 40.5 GiB usable of 45.0 GiB (memoryUtilization=0.9)" in out
+
+
+def test_pat_plan_says_how_many_sequences_the_kv_cache_holds(capsys, tmp_path):
+    example = ROOT / "examples" / "llama-3.1-8b.yaml"
+    code, out, _ = run(capsys, "plan", str(example), "--model", "llama-3.1-8b")
+    assert code == 0 and out.splitlines()[-2:] == [
+        "  total                                           71.7 GiB  fits",
+        ("  KV cache per GPU: 406,048 tokens, 44 concurrent sequences of maxSeq=9216 (all that memoryUtilization "
+         "leaves room for; maxBatch=128)")]
+    capped = tmp_path / "capped.yaml"
+    capped.write_text(example.read_text().replace("maxBatch: 128", "maxBatch: 16"))
+    code, out, _ = run(capsys, "plan", str(capped), "--model", "llama-3.1-8b")
+    assert code == 0 and out.endswith("KV cache per GPU: 147,456 tokens, 16 concurrent sequences of maxSeq=9216 "
+                                      "(maxBatch; memoryUtilization leaves room for 45)\n")
+
+
+def test_pat_validate_refuses_a_max_seq_beyond_the_models_positions(tmp_path, capsys):
+    """model.path's config.json is here: pat validate reads its max_position_embeddings."""
+    (tmp_path / "config.json").write_text(json.dumps(fit.hf_config("llama", **fit.PRESETS["test"],
+                                                                   max_position_embeddings=32768)))
+    doc = job("local.yaml", **{"generator.maxSeq": 40000, "algorithm.maxTokensPerMicroBatch": 40000})
+    doc["spec"]["model"] = {"path": str(tmp_path)}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    code, out, err = run(capsys, "validate", str(tmp_path / "job.yaml"))
+    assert (code, out) == (2, "") and err == (f"{tmp_path / 'job.yaml'} does not fit:\n  spec.generator.maxSeq: "
+                                              f"generator.maxSeq=40000 is beyond the model's max_position_embeddings="
+                                              f"32768; lower generator.maxSeq to 32768 or less\n")
+    doc["spec"]["generator"]["maxSeq"] = 32768
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    assert run(capsys, "validate", str(tmp_path / "job.yaml"))[:2] == (0, "RLHFJob arithmetic-grpo: valid\n")

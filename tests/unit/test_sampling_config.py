@@ -8,39 +8,59 @@ import torch
 
 from pat_workers.engine.config import ConfigError, ModelConfig
 from pat_workers.engine.loader import load_model, load_tokenizer
-from pat_workers.engine.sampling import SamplingParams, sample, uniform
+from pat_workers.engine.sampling import SamplingBatch, SamplingParams, sample, uniform
 from pat_workers.engine.tiny import make_tiny_model
 
 
 def test_uniform_is_a_function_of_seed_and_step():
-    assert uniform(7, 3) == uniform(7, 3)
-    values = [uniform(7, s) for s in range(2000)]
-    assert len(set(values)) == 2000 and 0 <= min(values) and max(values) < 1
-    assert abs(sum(values) / len(values) - 0.5) < 0.03
-    assert uniform(8, 3) != uniform(7, 3)
+    steps = torch.arange(2000)
+    values = uniform(torch.full((2000,), 7), steps)
+    assert values.dtype == torch.float32
+    assert torch.equal(values, torch.stack([uniform(torch.tensor(7), s) for s in steps]))
+    assert len(set(values.tolist())) >= 1990 and 0 <= values.min() and values.max() < 1
+    assert abs(values.mean() - 0.5) < 0.03
+    assert (torch.histc(values, bins=10, min=0, max=1) / 2000 - 0.1).abs().max() < 0.03
+    assert uniform(torch.tensor(8), torch.tensor(3)) != uniform(torch.tensor(7), torch.tensor(3))
+
+
+def _sample(logits, params, steps):
+    """sample() on host lists: tokens and log-probabilities."""
+    batch = SamplingBatch.build(params, logits.shape[-1], logits.device)
+    tokens, logprobs = sample(logits, batch, torch.tensor(steps))
+    return tokens.tolist(), logprobs.tolist()
 
 
 def test_sample_greedy_and_seeded():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     greedy = SamplingParams()
-    tokens, logprobs = sample(logits, [greedy] * 3, [0, 0, 0])
+    tokens, logprobs = _sample(logits, [greedy] * 3, [0, 0, 0])
     assert tokens == logits.argmax(-1).tolist()
     assert logprobs == pytest.approx(torch.log_softmax(logits, -1).max(-1).values.tolist())
     hot = SamplingParams(temperature=1.0, seed=5)
-    a = sample(logits, [hot] * 3, [4, 4, 9])[0]
-    assert a == sample(logits.clone(), [hot] * 3, [4, 4, 9])[0]
-    # The empirical distribution of seeded draws follows softmax(logits).
+    a = _sample(logits, [hot] * 3, [4, 4, 9])[0]
+    assert a == _sample(logits.clone(), [hot] * 3, [4, 4, 9])[0]
+    # The empirical distribution of seeded draws follows softmax(logits / T): one row per seed.
     row = logits[0]
-    draws = [sample(row[None], [SamplingParams(temperature=1.0, seed=s)], [0])[0][0] for s in range(3000)]
-    freq = torch.bincount(torch.tensor(draws), minlength=50).float() / 3000
-    assert (freq - torch.softmax(row, -1)).abs().max() < 0.04
+    for temperature in (1.0, 0.5):
+        draws = _sample(row.expand(3000, 50), [SamplingParams(temperature=temperature, seed=s) for s in range(3000)],
+                        [0] * 3000)[0]
+        freq = torch.bincount(torch.tensor(draws), minlength=50).float() / 3000
+        assert (freq - torch.softmax(row / temperature, -1)).abs().max() < 0.04
 
 
 def test_top_k_and_top_p_restrict_the_support():
-    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0, -1.0]])
-    for seed in range(200):
-        assert sample(logits, [SamplingParams(temperature=2.0, top_k=2, seed=seed)], [0])[0][0] in (0, 1)
-        assert sample(logits, [SamplingParams(temperature=1.0, top_p=0.5, seed=seed)], [0])[0][0] == 0
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0, -1.0]]).expand(200, 5)
+    top_k = _sample(logits, [SamplingParams(temperature=2.0, top_k=2, seed=s) for s in range(200)], [0] * 200)[0]
+    assert set(top_k) == {0, 1}
+    top_p = _sample(logits, [SamplingParams(temperature=1.0, top_p=0.5, seed=s) for s in range(200)], [0] * 200)[0]
+    assert set(top_p) == {0}
+    # Within the support, the draws follow the renormalised distribution.
+    row = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    draws = _sample(row.expand(3000, 50), [SamplingParams(temperature=1.0, top_k=3, seed=s) for s in range(3000)],
+                    [7] * 3000)[0]
+    freq = torch.bincount(torch.tensor(draws), minlength=50).float() / 3000
+    expected = torch.zeros(50).scatter(0, row.topk(3).indices, torch.softmax(row.topk(3).values, -1))
+    assert (freq - expected).abs().max() < 0.04
 
 
 @pytest.mark.parametrize("field,value,fix", [("max_tokens", 0, "1 or more"), ("temperature", -1, "greedy"),

@@ -1,6 +1,6 @@
 """`pat plan JOB.yaml`: will the job fit? The memory of one trainer rank and one generator engine rank, term by term
-(pat_operator.fit's estimate), against the GPUs the pods select; exits 2 naming the field to change when a role
-does not fit. Torch-free, like the estimate.
+(pat_operator.fit's estimate), against the GPUs the pods select, and how many sequences of maxSeq an engine rank's
+KV cache holds there; exits 2 naming the field to change when a role does not fit. Torch-free, like the estimate.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 from pat_operator.api import RLHFJob, RLHFJobSpec, load_job
-from pat_operator.fit import (GPU, GPU_PRODUCT_LABEL, GPUS, HEADROOM, ROLES, SHAPES, FitError, ModelShape, gib,
-                              problems, read_shape, role_gpus, tiny_shape, usable)
+from pat_operator.fit import (BLOCK_SIZE, GPU, GPU_PRODUCT_LABEL, GPUS, HEADROOM, ROLES, SHAPES, FitError, ModelShape,
+                              allowance, gib, kv_blocks, need, problems, read_shape, role_gpus, sequence_blocks,
+                              tiny_shape)
 
 LABEL_WIDTH = 46
 
@@ -70,24 +71,40 @@ def table(job: RLHFJob, shape: ModelShape, gpus: dict[str, GPU | None]) -> str:
                           f"{t.world_size}, micro-batches of {spec.algorithm.max_tokens_per_micro_batch} tokens",
                "generator": f"generator: {_count(g.replicas, 'pod')} x {_count(g.ranks, 'engine rank')}"}
     for role, memory in ROLES.items():
-        m = memory(spec, shape)
-        lines += [headers[role], f"  per rank, on {_device(role, gpus)}:"]
+        device = gpus.get(role)
+        m = memory(spec, shape, device and device.memory_bytes)
+        lines += [headers[role], f"  per rank, on {_device(spec, role, gpus)}:"]
         lines += [f"  {label:<{LABEL_WIDTH}}{gib(b):>10}" for label, b in m.terms]
         lines += [f"  {label + ' (host)':<{LABEL_WIDTH}}{gib(b):>10}" for label, b in m.host]
-        verdict = "" if gpus.get(role) is None else "  fits" if m.total <= usable(gpus[role].memory_bytes) \
-            else "  DOES NOT FIT"
+        fits = device is not None and need(spec, shape, role) <= allowance(spec, role, device.memory_bytes)
+        verdict = "" if device is None else "  fits" if fits else "  DOES NOT FIT"
         lines.append(f"  {'total':<{LABEL_WIDTH}}{gib(m.total):>10}{verdict}")
+        if role == "generator" and fits:
+            lines.append(f"  {_concurrent(spec, shape, device)}")
     return "\n".join(lines)
+
+
+def _concurrent(spec: RLHFJobSpec, shape: ModelShape, device: GPU) -> str:
+    """How many sequences of maxSeq an engine rank's KV cache holds at once, and what bounds it."""
+    g = spec.generator
+    blocks, room = kv_blocks(spec, shape, device.memory_bytes)
+    held, room_for = blocks // sequence_blocks(spec), (room or 0) // sequence_blocks(spec)
+    why = (f"maxBatch; memoryUtilization leaves room for {room_for}" if held == g.max_batch
+           else f"all that memoryUtilization leaves room for; maxBatch={g.max_batch}")
+    return f"KV cache per GPU: {blocks * BLOCK_SIZE:,} tokens, {held} concurrent sequences of maxSeq={g.max_seq} " \
+           f"({why})"
 
 
 def _count(n: int, what: str) -> str:
     return f"{n} {what}{'s' * (n != 1)}"
 
 
-def _device(role: str, gpus: dict[str, GPU | None]) -> str:
+def _device(spec: RLHFJobSpec, role: str, gpus: dict[str, GPU | None]) -> str:
     if role not in gpus:
         return "CPU (no GPU to check against)"
     g = gpus[role]
     if g is None:
         return f"a GPU not known here (pass --gpu, or set the pods' nodeSelector {GPU_PRODUCT_LABEL})"
-    return f"an {g.name}: {gib(usable(g.memory_bytes))} usable of {gib(g.memory_bytes)} ({HEADROOM:.0%} kept free)"
+    kept = (f"memoryUtilization={spec.generator.memory_utilization}" if role == "generator"
+            else f"{HEADROOM:.0%} kept free")
+    return f"an {g.name}: {gib(allowance(spec, role, g.memory_bytes))} usable of {gib(g.memory_bytes)} ({kept})"

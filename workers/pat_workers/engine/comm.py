@@ -4,7 +4,11 @@ Each rank is one process driving one device, and all ranks of a pod share a host
 collectives go through NCCL process groups. On CPU, gloo costs 1-2 ms per collective (loopback TCP
 plus its worker threads), which dwarfs the tens of microseconds of a decode step's matmuls, while an
 all-reduce through a shared-memory segment costs ~10 us. So CPU ranks use ShmCommunicator on the hot
-path and keep the gloo group as a fallback.
+path (on x86-64, whose memory ordering it relies on) and keep the gloo group as a fallback.
+
+Failures: on CPU a collective that meets a dead or late peer raises CommError, and the ranks fall back to
+TP=1 inside the pod. On NCCL a failed communicator cannot be trusted (a peer may be stuck in the kernel),
+so the rank fails instead: the pod exits non-zero and the operator restarts the gang.
 
 CommunicatorPool builds every TP group of the power-of-two hierarchy once, at start-up:
 torch.distributed.new_group is collective over the whole world, so groups cannot be created later
@@ -20,6 +24,7 @@ import math
 import mmap
 import os
 import pickle
+import platform
 import secrets
 import statistics
 import tempfile
@@ -39,6 +44,9 @@ __all__ = [
     "SoloCommunicator",
     "TorchCommunicator",
     "measure_link_bandwidth",
+    "nccl_env",
+    "process_group_options",
+    "shm_supported",
 ]
 
 
@@ -181,6 +189,12 @@ _NAP, _NAP_MAX = 50e-6, 2e-3
 _LIVENESS_PERIOD = 0.05
 
 
+def shm_supported(machine: str) -> bool:
+    """Whether ShmCommunicator's protocol holds on a CPU named `machine` (platform.machine()): it needs x86-64's
+    total store order, see the class docstring. Elsewhere (e.g. aarch64) stores and loads need fences it lacks."""
+    return machine.lower() in ("x86_64", "amd64")
+
+
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
@@ -224,9 +238,11 @@ class ShmCommunicator(_Members):
     members) uses buffer s % 2: a member writes its own buffer, sets its flag to s, waits until every
     flag is >= s, then reads the others' buffers. One flag per step is enough: a member can write
     buffer s % 2 again only in step s + 2, which needs every flag >= s + 1, and a member sets flag s + 1
-    only after it finished reading step s. The flag is stored after the data, and x86-64 (TSO) makes
-    stores visible in program order; loads of the flags and then the data are likewise not reordered.
-    Payloads larger than `capacity` take several steps.
+    only after it finished reading step s. Plain loads and stores, no fences: this relies on x86-64's
+    total store order, which keeps stores in program order (data, then flag), loads in program order
+    (flag, then data), and loads before later stores (reading step s, then flag s + 1). Weaker CPUs
+    reorder all three, so the constructor refuses them (shm_supported). Payloads larger than `capacity`
+    take several steps.
 
     The lowest rank of the group creates the segment; the others may construct only after it did
     (CommunicatorPool.build orders this with world barriers). The creator unlinks the file once all
@@ -236,6 +252,9 @@ class ShmCommunicator(_Members):
     def __init__(self, ranks: Sequence[int], rank: int, *, prefix: str, capacity: int = 8 << 20,
                  timeout: float = 60.0):
         super().__init__(ranks, rank)
+        if not shm_supported(platform.machine()):
+            raise ValueError(f"the shared-memory communicator relies on x86-64 memory ordering, and this CPU is "
+                             f"{platform.machine()}: use comm_backend gloo (--comm-backend gloo)")
         if capacity < 4096:
             raise ValueError(f"capacity must be at least 4096 bytes, got {capacity}")
         self.capacity = _round_up(capacity, _CACHE_LINE)
@@ -525,17 +544,39 @@ def _pickle(obj: Any) -> torch.Tensor:
 class TorchCommunicator(_Members):
     """A torch.distributed process group: gloo on CPU, NCCL on CUDA (set the current device first).
 
-    `pids` (global rank -> pid, same host) lets a failure name the ranks that died."""
+    `pids` (global rank -> pid, same host) lets a failure name the ranks that died.
+
+    `device` other than the group's own (gloo with a GPU: ranks sharing one GPU in tests, EngineOptions.device
+    "cuda-shared") stages every tensor through host memory: gloo's send/recv hand raw pointers to its TCP transport,
+    which would read GPU memory from the host, and its CUDA support of the other collectives differs between torch
+    versions. Such a group cannot be captured in a CUDA graph (the exchange runs on the host); it fails like gloo
+    on CPU (CommError: the in-pod fallback), since no NCCL kernel can be stuck."""
 
     def __init__(self, group: dist.ProcessGroup, ranks: Sequence[int], rank: int, *,
-                 pids: Mapping[int, int] | None = None):
+                 pids: Mapping[int, int] | None = None, device: torch.device | None = None):
         super().__init__(ranks, rank)
         self.group = group
         self.backend = str(dist.get_backend(group))
         cuda = "nccl" in self.backend
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.device = device
+        self._stage = device.type != "cpu" and not cuda
         self._pids = dict(pids or {})
-        self._zero = torch.zeros(1, device=self.device)
+        self._zero = torch.zeros(1, device="cpu" if self._stage else self.device)
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        """What the process group sends: t (contiguous), or its host copy where this group stages."""
+        if self._stage and t.device.type != "cpu":
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"group {self.ranks} is gloo with {self.device} tensors: its collectives run on "
+                                   f"the host and cannot be captured in a CUDA graph; run this step eagerly")
+            return t.cpu().contiguous()
+        return t.contiguous()
+
+    def _home(self, t: torch.Tensor) -> torch.Tensor:
+        """A received tensor on this communicator's device."""
+        return t.to(self.device) if self._stage else t
 
     def _call(self, what: str, fn: Callable, *args, **kwargs):
         try:
@@ -543,6 +584,9 @@ class TorchCommunicator(_Members):
         except CommError:
             raise
         except RuntimeError as e:  # DistBackendError, DistNetworkError and gloo's socket errors alike
+            if self.device.type == "cuda" and not self._stage:  # not CommError: no fallback on a communicator in doubt
+                raise RuntimeError(f"{what} on NCCL group {self.ranks} failed: {e}; this rank stops, so that the "
+                                   f"pod exits and its gang restarts") from e
             raise CommError(f"{what} on group {self.ranks} failed: {e}", self._dead_peers()) from e
 
     def _dead_peers(self) -> frozenset[int]:
@@ -556,17 +600,17 @@ class TorchCommunicator(_Members):
             time.sleep(0.01)
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
-        buf = t if t.is_contiguous() else t.contiguous()
+        buf = self._wire(t)
         self._call("all_reduce", dist.all_reduce, buf, group=self.group)
         if buf is not t:
             t.copy_(buf)
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        src = t.contiguous()
+        src = self._wire(t)
         outs = [torch.empty_like(src) for _ in self.ranks]
         self._call("all_gather", dist.all_gather, outs, src, group=self.group)
-        return outs
+        return [self._home(o) for o in outs]
 
     def all_gather_object(self, obj: Any) -> list:
         outs: list = [None] * self.size
@@ -588,9 +632,10 @@ class TorchCommunicator(_Members):
         meta = torch.full((n, 2), -1, dtype=torch.int64)
         for i, t in enumerate(sends):
             if t is not None and i != me:
-                flat[i] = t.contiguous().view(-1)
+                flat[i] = self._wire(t).view(-1)
                 meta[i, 0], meta[i, 1] = t.numel(), _dtype_code(t.dtype)
-        meta = meta.to(self.device)
+        wire = torch.device("cpu") if self._stage else self.device
+        meta = meta.to(wire)
         got = torch.empty_like(meta)
         self._call("all_to_all (sizes)", dist.all_to_all_single, got, meta, group=self.group)
         received: list[torch.Tensor | None] = [None] * n
@@ -602,13 +647,13 @@ class TorchCommunicator(_Members):
             if flat[i] is not None and flat[i].numel():
                 ops.append(dist.P2POp(dist.isend, flat[i], group=self.group, group_peer=i))
             if numel >= 0:
-                received[i] = torch.empty(numel, dtype=_DTYPES[code], device=self.device)
+                received[i] = torch.empty(numel, dtype=_DTYPES[code], device=wire)
                 if numel:
                     ops.append(dist.P2POp(dist.irecv, received[i], group=self.group, group_peer=i))
         if ops:
             for work in self._call("all_to_all", dist.batch_isend_irecv, ops):
                 self._call("all_to_all", work.wait)
-        return received
+        return [t if i == me or t is None else self._home(t) for i, t in enumerate(received)]
 
     def barrier(self) -> None:
         self._call("barrier", dist.all_reduce, self._zero, group=self.group)
@@ -636,17 +681,24 @@ class CommunicatorPool:
 
     @classmethod
     def build(cls, rank: int, world: int, *, backend: str = "auto", timeout: float = 60.0,
-              capacity: int = 8 << 20) -> CommunicatorPool:
+              capacity: int = 8 << 20, device: torch.device | None = None) -> CommunicatorPool:
         """Collective over the world, after torch.distributed.init_process_group. backend: "shm" (CPU;
         shared memory on the hot path, gloo groups as fallback), "gloo", "nccl", or "auto" (nccl when
-        CUDA is available and the world group uses it, else shm). capacity: shm buffer bytes."""
+        CUDA is available and the world group uses it, else shm where shm_supported, else gloo).
+        capacity: shm buffer bytes. device: the rank's; a GPU under a gloo world group (ranks sharing one GPU,
+        process_group_options(shared=True)) makes auto gloo, with TorchCommunicator staging through the host."""
         if not dist.is_initialized():
             raise RuntimeError("CommunicatorPool.build needs torch.distributed.init_process_group first")
         if (dist.get_rank(), dist.get_world_size()) != (rank, world):
             raise ValueError(f"rank/world {rank}/{world} disagree with torch.distributed's "
                              f"{dist.get_rank()}/{dist.get_world_size()}")
         if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() and "nccl" in str(dist.get_backend()) else "shm"
+            if torch.cuda.is_available() and "nccl" in str(dist.get_backend()):
+                backend = "nccl"
+            elif device is not None and device.type == "cuda":  # shm handles CPU tensors only
+                backend = "gloo"
+            else:
+                backend = "shm" if shm_supported(platform.machine()) else "gloo"
         if backend not in BACKENDS:
             raise ValueError(f"backend must be auto, shm, gloo or nccl, got {backend!r}")
         pid_list: list = [None] * world
@@ -661,7 +713,7 @@ class CommunicatorPool:
             group = dist.new_group(list(block), timeout=td, backend="nccl" if backend == "nccl" else "gloo")
             if rank in block:
                 groups.append(group)
-                fallbacks[block] = TorchCommunicator(group, block, rank, pids=pids)
+                fallbacks[block] = TorchCommunicator(group, block, rank, pids=pids, device=device)
         comms = dict(fallbacks)
         if backend == "shm":
             comms.update(_build_shm(rank, world, [b for b in blocks if rank in b], timeout, capacity))
@@ -749,6 +801,41 @@ def _build_shm(rank: int, world: int, blocks: list[tuple[int, ...]], timeout: fl
     for comm in comms.values():  # every member has mapped its segments: a crash can no longer leak them
         comm.unlink()
     return comms
+
+
+def process_group_options(device: torch.device, timeout: float, shared: bool = False) -> dict[str, Any]:
+    """init_process_group's backend, timeout and device for a rank driving `device`; timeout: comm_timeout.
+
+    NCCL (GPUs only; the tests check these options on CPU): the world group gets the TP groups' timeout. A
+    collective that does not complete within it is caught by torch's watchdog thread, which polls every 100 ms,
+    waits for flight-recorder dumps (up to 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, 15 s), then aborts the
+    process (nccl_env): the pod exits about timeout + 1 min after a peer stalled or died. A watchdog stuck in a
+    CUDA call is aborted by its heartbeat monitor after TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s).
+    device_id binds the group to this rank's GPU and creates its communicator now, so NCCL set-up errors fail
+    the start rather than the first step, and new_group splits it instead of a fresh rendezvous per TP group.
+
+    CPU: gloo with torch's default timeout (30 min). The world group's timeout would also bound the start-up
+    rendezvous, which a short comm_timeout (tests use 2 s) must not; CPU ranks handle a late or dead peer in
+    the pod, through the TP groups, which get comm_timeout.
+
+    shared (tests only: several ranks on one GPU, EngineOptions.device "cuda-shared"): gloo as on CPU, since NCCL
+    refuses two ranks on one device; the communicators then stage GPU tensors through the host."""
+    if device.type != "cuda" or shared:
+        return {"backend": "gloo"}
+    return {"backend": "nccl", "timeout": datetime.timedelta(seconds=timeout), "device_id": device}
+
+
+def nccl_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What to add to `environ` before the first NCCL group is created (its variables are read then).
+
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=3 makes the watchdog tear the process down on an NCCL error or timeout,
+    without ncclCommAbort, which can itself hang on a broken communicator. It is torch 2.13's default, pinned
+    because failing fast rests on it; a value the user set (also under its old name NCCL_ASYNC_ERROR_HANDLING)
+    is kept. TORCH_NCCL_BLOCKING_WAIT stays off: it would hold the host on every collective (with it set,
+    the collective raises after the timeout instead, and TorchCommunicator fails the rank just the same)."""
+    if "TORCH_NCCL_ASYNC_ERROR_HANDLING" in environ or "NCCL_ASYNC_ERROR_HANDLING" in environ:
+        return {}
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
 
 
 def measure_link_bandwidth(comm: Communicator, nbytes: int = 32 << 20, repeats: int = 3) -> float:

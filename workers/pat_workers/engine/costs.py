@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .comm import CommunicatorPool, measure_link_bandwidth
-from .kv import KVCache
+from .engine import bucket
+from .kv import PagedKV
 from .model import Transformer
 
 PREFILL_LENGTHS = (16, 128)
@@ -69,28 +70,32 @@ def _timed(fn, repeats: int, device: torch.device) -> float:
     return min(times)
 
 
-def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], batches: list[int],
+def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], batches: list[int], kv: PagedKV,
             repeats: int = 7) -> Costs:
-    """Collective over the pod's ranks."""
+    """Collective over the pod's ranks. Runs in the engine's own (empty) KV pool: rows of the profiled batches take
+    its blocks in turn, wrapping around when it is smaller than they need (what a step reads and writes is the same
+    amount of memory either way), so profiling takes no memory beside the pool."""
     rank, world = pool.rank, pool.world
-    device = model.device
-    long_context = max(min(LONG_CONTEXT, model.cfg.max_position_embeddings - 1), DECODE_CONTEXT + 1)
+    device, cfg, max_tp, bs = model.device, model.cfg, max(tp_sizes), kv.block_size
+    long_context = max(min(LONG_CONTEXT, cfg.max_position_embeddings - 1), DECODE_CONTEXT + 1)
+    width = -(-max(PREFILL_LENGTHS[-1], long_context + 1) // bs)
     samples: list[float] = []
     for tp in tp_sizes:
         block = next(b for b in pool.blocks(tp) if rank in b)
         comm, shard = pool.get(block), model.shard(tp, block.index(rank))
-        cache = KVCache.allocate(model.cfg, max(batches), model.cfg.num_kv_heads // tp,
-                                 max(PREFILL_LENGTHS[-1], long_context + 1), model.dtype, device)
+        groups = max_tp // tp
+        ids = torch.arange(max(batches) * groups * width, device=device) % (kv.num_blocks - 1) + 1
+        tables = ids.view(max(batches), groups, width)
         for length in PREFILL_LENGTHS:
-            k, v = cache.rows(0, 1)
             tokens = torch.zeros(1, length, dtype=torch.long, device=device)
             start = torch.zeros(1, dtype=torch.long, device=device)
-            samples.append(_timed(lambda: model.forward(shard, comm, tokens, start, k, v), repeats, device))
+            table = tables[:1, :, :-(-length // bs)]
+            samples.append(_timed(lambda: model.forward(shard, comm, kv, tokens, start, table), repeats, device))
         for batch, context in [(b, DECODE_CONTEXT) for b in batches] + [(max(batches), long_context)]:
-            k, v = cache.rows(0, batch)
             tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
             start = torch.full((batch,), context, dtype=torch.long, device=device)
-            samples.append(_timed(lambda: model.forward(shard, comm, tokens, start, k, v), repeats, device))
+            table = tables[:batch, :, :bucket(context // bs + 1, width)]  # as the engine pads
+            samples.append(_timed(lambda: model.forward(shard, comm, kv, tokens, start, table), repeats, device))
     link = (0.0, 0.0)
     if world > 1:
         pair = pool.get(next(b for b in pool.blocks(2) if rank in b))

@@ -1,21 +1,29 @@
-"""Continuous batching for the TP group a rank belongs to.
+"""Continuous batching for the TP group a rank belongs to, over a paged KV cache.
 
 Every member of a group runs the same steps on the same request list (the group's leader broadcasts what
-arrives), so scheduling decisions and sampled tokens agree without further communication.
+arrives), so scheduling decisions and sampled tokens agree without further communication: each member's block
+pool holds its share of the heads and sees the same allocations.
+
+A step: admit waiting requests while blocks are free (the G samples of one prompt share its prefill and blocks),
+prefill what has no cache, give each decoding row a block for its next position (copy on write where a block is
+shared, preempting the newest request back to the queue when the pool is full), then one decode step: forward and
+sampling on the device in shapes fixed per (batch, context) bucket, captured in a CUDA graph on GPUs, and one
+device-to-host copy of the tokens and log-probabilities.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .comm import CommunicatorPool
-from .kv import KVCache
+from .kv import KVFull, PagedKV
 from .model import Transformer
-from .sampling import SamplingParams, sample
+from .sampling import SamplingBatch, SamplingParams, sample
 
 PREFILL_TOKENS_PER_FORWARD = 4096  # padded tokens in one batched prefill: bounds its activation memory
 
@@ -40,6 +48,11 @@ def _prefill_tokens(r: Request) -> list[int]:
     return (r.prompt + r.output)[:-1] if r.output else r.prompt
 
 
+def bucket(n: int, cap: int) -> int:
+    """The static size a batch of n rows (or a table of n blocks) is padded to: a power of two, at most cap."""
+    return min(1 << (n - 1).bit_length(), cap)
+
+
 @dataclass
 class StepStats:
     batch: int  # sequences decoded this step
@@ -47,34 +60,55 @@ class StepStats:
     tokens: int  # tokens generated
     seconds: float
     finished: list[Request]
+    preempted: int = 0
 
 
 class Engine:
-    def __init__(self, model: Transformer, pool: CommunicatorPool, *, max_batch: int, max_seq: int):
+    def __init__(self, model: Transformer, pool: CommunicatorPool, *, max_batch: int, max_seq: int,
+                 kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = True):
         self.model, self.pool, self.rank = model, pool, pool.rank
         self.max_batch, self.max_seq = max_batch, max_seq
         self.eos_ids = frozenset(model.cfg.eos_token_ids)
-        self.running: list[Request] = []  # running[i] owns cache slot i
+        cfg = model.cfg
+        self.max_tp = max(cfg.tp_sizes(pool.world))
+        self.blocks_per_seq = -(-max_seq // block_size)
+        # Enough for max_batch sequences of max_seq tokens (all heads) unless told fewer: more could never be used.
+        kv_blocks = kv_blocks or max_batch * self.blocks_per_seq * self.max_tp + 1
+        if kv_blocks - 1 < self.blocks_per_seq * self.max_tp:
+            raise ValueError(f"a KV cache of {kv_blocks} blocks cannot hold one sequence of max_seq={max_seq} tokens "
+                             f"({self.blocks_per_seq * self.max_tp} blocks + 1 scratch): give the cache more memory "
+                             f"or lower max_seq")
+        self.kv = PagedKV(cfg, kv_blocks, block_size, cfg.num_kv_heads // self.max_tp, model.dtype, model.device)
+        self.tables: dict[str, list[list[int]]] = {}  # request id -> its blocks here, per head group held
+        self.running: list[Request] = []  # admission order: the last is the first preempted
         self.waiting: deque[Request] = deque()
+        self.preemptions = 0
+        self._shares: dict[str, Request] = {}  # a fresh request -> the one prefilling the same prompt for it
+        self._graphs: dict[tuple, Callable] = {}
+        self._graph_pool = None
+        self._cuda_graphs = cuda_graphs and model.device.type == "cuda"
+        self.decode_fn = self._decode  # the step's device part; tests put torch.compile around it
         self.join((self.rank,))
 
     # -- the group ---------------------------------------------------------------------------------------
-    def join(self, group: tuple[int, ...], kv: KVCache | None = None) -> None:
-        """Makes `group` this rank's TP group: weight views for its shard and a cache shaped for it."""
+    def join(self, group: tuple[int, ...]) -> None:
+        """Makes `group` this rank's TP group: weight views for its shard (the caller moves the blocks)."""
         self.group = group
         self.comm = self.pool.get(group)
         self.shard = self.model.shard(len(group), group.index(self.rank))
-        self.kv = kv if kv is not None else self.new_cache(len(group))
-
-    def new_cache(self, tp: int) -> KVCache:
-        # A TP=t group holds 1/t of the heads per rank, so the same memory serves t times the sequences.
-        cfg = self.model.cfg
-        return KVCache.allocate(cfg, self.max_batch * tp, cfg.num_kv_heads // tp, self.max_seq,
-                                self.model.dtype, self.model.device)
 
     @property
     def tp(self) -> int:
         return len(self.group)
+
+    @property
+    def head_groups(self) -> int:
+        """Blocks per block of tokens a request holds on this rank."""
+        return self.max_tp // self.tp
+
+    @property
+    def capacity(self) -> int:
+        return self.max_batch * self.tp
 
     @property
     def is_leader(self) -> bool:
@@ -83,64 +117,219 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks a request of `tokens` cached tokens holds on this rank."""
+        return -(-tokens // self.kv.block_size) * self.head_groups
+
+    # -- blocks ------------------------------------------------------------------------------------------
+    def _grant(self, r: Request, tokens: int) -> bool:
+        """Gives r the blocks for `tokens` cached tokens, if free."""
+        n = -(-tokens // self.kv.block_size)
+        try:
+            ids = self.kv.allocate(n * self.head_groups)
+        except KVFull:
+            return False
+        self.tables[r.id] = [ids[i * n:(i + 1) * n] for i in range(self.head_groups)]
+        return True
+
+    def free(self, r: Request) -> None:
+        for blocks in self.tables.pop(r.id, ()):
+            self.kv.release(blocks)
+
+    def preempt(self, r: Request) -> None:
+        """Back to the front of the queue; its tokens stay and are recomputed when it is admitted again."""
+        self.free(r)
+        r.cached = 0
+        self.preemptions += 1
+        self.running.remove(r)
+        self.waiting.appendleft(r)
+
+    def _writable(self, r: Request) -> bool:
+        """Makes the block of r's next position its own (allocated, not shared): preempts the newest requests
+        while the pool is full. False when r itself was preempted."""
+        table, j = self.tables[r.id], r.cached // self.kv.block_size
+        while True:
+            try:
+                if j == len(table[0]):
+                    for blocks, new in zip(table, self.kv.allocate(self.head_groups)):
+                        blocks.append(new)
+                elif any(self.kv.refs[blocks[j]] > 1 for blocks in table):  # copy on write
+                    new = self.kv.allocate(self.head_groups)
+                    old = [blocks[j] for blocks in table]
+                    self.kv.copy(old, new)
+                    self.kv.release(old)
+                    for blocks, b in zip(table, new):
+                        blocks[j] = b
+                return True
+            except KVFull:
+                newest = self.running[-1]
+                self.preempt(newest)
+                if newest is r:
+                    return False
+
     # -- stepping ----------------------------------------------------------------------------------------
     def add(self, requests: list[Request]) -> None:
         self.waiting.extend(requests)
 
     def step(self) -> StepStats:
         start = time.perf_counter()
-        while self.waiting and len(self.running) < self.kv.slots:
-            self.running.append(self.waiting.popleft())
+        preemptions = self.preemptions
+        self._admit()
         fresh = sum(not r.output for r in self.running)
         prefill_tokens = self.prefill_pending()
         finished = self._release()
-        batch = len(self.running)
+        decoding, i = [], 0
+        while i < len(self.running):  # a row preempted for want of a block is the last one: the loop ends there
+            if self._writable(self.running[i]):
+                decoding.append(self.running[i])
+                i += 1
+        batch = len(decoding)
         if batch:
-            k, v = self.kv.rows(0, batch)
-            tokens = torch.tensor([[r.output[-1]] for r in self.running], device=self.model.device)
-            start_pos = torch.tensor([r.cached for r in self.running], device=self.model.device)
-            logits = self.model.forward(self.shard, self.comm, tokens, start_pos, k, v)
-            for r in self.running:
-                r.cached += 1
-            self._accept(self.running, logits)
+            self._accept(decoding, *self._decode_step(decoding))
             finished += self._release()
-        return StepStats(batch, prefill_tokens, fresh + batch, time.perf_counter() - start, finished)
+        return StepStats(batch, prefill_tokens, fresh + batch, time.perf_counter() - start, finished,
+                         self.preemptions - preemptions)
+
+    def _admit(self) -> None:
+        """Waiting requests enter while the batch has room and their prefill's blocks are free. A fresh request
+        whose prompt a request entering in the same step prefills shares that prefill and its blocks."""
+        prefilling: dict[tuple[int, ...], Request] = {}
+        while self.waiting and len(self.running) < self.capacity:
+            r = self.waiting[0]
+            owner = prefilling.get(tuple(r.prompt)) if not r.output else None
+            if owner is not None:
+                self.tables[r.id] = [list(blocks) for blocks in self.tables[owner.id]]
+                for blocks in self.tables[r.id]:
+                    self.kv.share(blocks)
+                self._shares[r.id] = owner
+            elif not self._grant(r, len(_prefill_tokens(r)) + 1):  # + the first decoded token's position
+                break
+            elif not r.output:
+                prefilling[tuple(r.prompt)] = r
+            self.running.append(self.waiting.popleft())
 
     def prefill_pending(self) -> int:
         """Prefills running requests without cached keys: new ones (then samples their first token) and
-        recomputed ones (prompt + all generated tokens but the last, which is the next decode input).
+        recomputed ones (prompt + all generated tokens but the last, which is the next decode input). Returns the
+        tokens prefilled: a prompt shared by several requests counts once.
 
-        Consecutive slots go in one right-padded forward: positions past a row's end get keys that are never
-        attended, since a decode step writes position p before it attends to it."""
-        pending = {i: _prefill_tokens(r) for i, r in enumerate(self.running) if not r.cached}
-        order = list(pending)
+        Rows go in right-padded forwards of at most PREFILL_TOKENS_PER_FORWARD tokens: positions past a row's end
+        write keys that are never attended, since a decode step writes position p before it attends to it."""
+        pending = [r for r in self.running if not r.cached and r.id not in self._shares]
+        for r in pending:  # a regroup's recomputed requests come without blocks
+            if r.id not in self.tables and not self._grant(r, len(_prefill_tokens(r)) + 1):
+                self.running.remove(r)
+                self.waiting.appendleft(r)
+        pending = [r for r in pending if r.id in self.tables]
         total = 0
-        while order:
-            run, width = [order[0]], len(pending[order[0]])
-            for i in order[1:]:
-                if i != run[-1] + 1 or (len(run) + 1) * max(width, len(pending[i])) > PREFILL_TOKENS_PER_FORWARD:
+        while pending:
+            run, width = [pending[0]], len(_prefill_tokens(pending[0]))
+            for r in pending[1:]:
+                if (len(run) + 1) * max(width, len(_prefill_tokens(r))) > PREFILL_TOKENS_PER_FORWARD:
                     break
-                run.append(i)
-                width = max(width, len(pending[i]))
-            order = order[len(run):]
-            requests = [self.running[i] for i in run]
-            contexts = [pending[i] for i in run]
-            device = self.model.device
-            tokens = torch.tensor([c + [0] * (width - len(c)) for c in contexts], device=device)
-            k, v = self.kv.rows(run[0], run[-1] + 1)
-            start = torch.zeros(len(run), dtype=torch.long, device=device)
-            last = torch.tensor([len(c) - 1 for c in contexts], device=device)
-            logits = self.model.forward(self.shard, self.comm, tokens, start, k, v, last=last)
-            for r, c in zip(requests, contexts):
-                r.cached = len(c)
-                total += len(c)
-            fresh = [j for j, r in enumerate(requests) if not r.output]
-            if fresh:
-                self._accept([requests[j] for j in fresh], logits[fresh])
+                run.append(r)
+                width = max(width, len(_prefill_tokens(r)))
+            pending = pending[len(run):]
+            total += self._prefill(run, width)
         return total
 
-    def _accept(self, requests: list[Request], logits: torch.Tensor) -> None:
-        tokens, logprobs = sample(logits, [r.params for r in requests], [len(r.output) for r in requests])
+    def _prefill(self, run: list[Request], width: int) -> int:
+        device = self.model.device
+        contexts = [_prefill_tokens(r) for r in run]
+        tokens = torch.tensor([c + [0] * (width - len(c)) for c in contexts], device=device)
+        last = torch.tensor([len(c) - 1 for c in contexts], device=device)
+        logits = self.model.forward(self.shard, self.comm, self.kv, tokens, torch.zeros_like(last),
+                                    self._table_tensor(run, -(-width // self.kv.block_size)), last=last)
+        rows, sampled = [], []
+        for i, (r, c) in enumerate(zip(run, contexts)):
+            sharers = [s for s in self.running if self._shares.get(s.id) is r]
+            for s in [r, *sharers]:
+                self._shares.pop(s.id, None)
+                s.cached = len(c)
+                if not s.output:
+                    rows.append(i)
+                    sampled.append(s)
+        if sampled:
+            self._accept(sampled, *self._sample(logits[rows], sampled))
+        return sum(map(len, contexts))
+
+    def _table_tensor(self, rows: list[Request], width: int, batch: int | None = None) -> torch.Tensor:
+        """Block tables [batch, g, width] of the rows, padded with scratch (block 0)."""
+        g = self.head_groups
+        pad = [[0] * width] * g
+        tables = [[(blocks + [0] * width)[:width] for blocks in self.tables[r.id]] for r in rows]
+        return torch.tensor(tables + [pad] * ((batch or len(rows)) - len(rows)), device=self.model.device)
+
+    def _sample(self, logits: torch.Tensor, rows: list[Request]) -> tuple[list[int], list[float]]:
+        device = logits.device
+        params = SamplingBatch.build([r.params for r in rows], logits.shape[-1], device)
+        steps = torch.tensor([len(r.output) for r in rows], device=device)
+        return self._fetch(*sample(logits, params, steps))
+
+    @staticmethod
+    def _fetch(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+        # One device-to-host copy: the log-probabilities travel as the bits of int32 beside the tokens.
+        packed = torch.stack([tokens.to(torch.int32), logprobs.float().view(torch.int32)]).cpu()
+        return packed[0].tolist(), packed[1].view(torch.float32).tolist()
+
+    # -- the decode step ---------------------------------------------------------------------------------
+    def decode_inputs(self, rows: list[Request]) -> tuple:
+        """The decode step's device inputs for the rows, padded to their (batch, context) bucket."""
+        device, n = self.model.device, len(rows)
+        b = bucket(n, self.capacity)
+        width = bucket(max(r.cached // self.kv.block_size + 1 for r in rows), self.blocks_per_seq)
+        pad = b - n
+        tokens = torch.tensor([r.output[-1] for r in rows] + [0] * pad, device=device)
+        positions = torch.tensor([r.cached for r in rows] + [0] * pad, device=device)
+        params = SamplingBatch.build([r.params for r in rows], self.model.cfg.vocab_size, device, rows=b)
+        steps = torch.tensor([len(r.output) for r in rows] + [0] * pad, device=device)
+        return tokens, positions, self._table_tensor(rows, width, b), params, steps
+
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, params: SamplingBatch,
+                steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and sampling of one decode step: no host synchronisation, shapes fixed by the inputs'."""
+        logits = self.model.forward(self.shard, self.comm, self.kv, tokens[:, None], positions, tables)
+        return sample(logits, params, steps)
+
+    def _decode_step(self, rows: list[Request]) -> tuple[list[int], list[float]]:
+        inputs = self.decode_inputs(rows)
+        run = self._captured(inputs) if self._cuda_graphs else self.decode_fn
+        tokens, logprobs = self._fetch(*run(*inputs))
+        for r in rows:
+            r.cached += 1
+        return tokens[:len(rows)], logprobs[:len(rows)]
+
+    def _captured(self, inputs: tuple) -> Callable:
+        """The decode step as a CUDA graph per (group, batch bucket, context bucket, sort width), captured on first
+        use and kept: a regroup back into a layout already seen reuses its graphs."""
+        tokens, positions, tables, params, steps = inputs
+        key = (self.group, tokens.shape[0], tables.shape[-1], params.sort_k)
+        if key not in self._graphs:
+            sort_k = params.sort_k
+            static = [t.clone() for t in (tokens, positions, tables, *params.tensors(), steps)]
+
+            def step():
+                t, pos, tab, *sampling, st = static
+                return self._decode(t, pos, tab, SamplingBatch(*sampling, sort_k=sort_k), st)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up outside the capture (it writes the keys the step will write)
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):  # one memory pool for all the graphs
+                out = step()
+            self._graph_pool = graph.pool()
+
+            def replay(tokens, positions, tables, params, steps):
+                for dst, src in zip(static, (tokens, positions, tables, *params.tensors(), steps)):
+                    dst.copy_(src)
+                graph.replay()
+                return out
+            self._graphs[key] = replay
+        return self._graphs[key]
+
+    def _accept(self, requests: list[Request], tokens: list[int], logprobs: list[float]) -> None:
         for r, token, logprob in zip(requests, tokens, logprobs):
             r.output.append(token)
             r.logprobs.append(logprob)
@@ -151,12 +340,8 @@ class Engine:
                 r.finish_reason = "length"
 
     def _release(self) -> list[Request]:
-        done = [i for i, r in enumerate(self.running) if r.finish_reason]
-        finished = [self.running[i] for i in done]
-        for i in reversed(done):  # fill each hole with the last request, keeping slots 0..n-1 dense
-            last = len(self.running) - 1
-            if i != last:
-                self.kv.move(last, i, self.running[last].cached)
-                self.running[i] = self.running[last]
-            self.running.pop()
+        finished = [r for r in self.running if r.finish_reason]
+        for r in finished:
+            self.free(r)
+        self.running = [r for r in self.running if not r.finish_reason]
         return finished

@@ -1,42 +1,89 @@
-"""A static KV cache: one [slots, local KV heads, max_seq, head_dim] tensor per layer for keys and values.
+"""A paged KV cache: fixed-size blocks of tokens in one pool per rank, and a block table per request.
 
-The running requests of a TP group occupy slots 0..n-1 in batch order, so the decode step attends over a view
-(no gather). When a request leaves, the last one moves into its slot.
+A block holds `block_size` tokens of `heads_per_block` KV heads: the model's KV heads divided by the largest TP size
+the pod can take. A request at TP=t keeps, on each rank of its group, g = heads_per_rank / heads_per_block blocks
+per `block_size` tokens; its table on that rank is g lists of block ids, one per head group it holds. A regroup
+therefore moves whole blocks by heads: what a rank keeps stays where it is, only what changes rank is copied, and
+no second cache is allocated.
+
+Block 0 is scratch: padding rows and the padded positions of a batched prefill write there, and nothing reads it
+unmasked. The pool is zeroed at start, since masked positions still enter the attention product (0 x NaN = NaN).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from .config import ModelConfig
 
 
-@dataclass
-class KVCache:
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
+class KVFull(RuntimeError):
+    """Fewer free blocks than asked for; the engine preempts a request and asks again."""
 
-    @classmethod
-    def allocate(cls, cfg: ModelConfig, slots: int, kv_heads: int, max_seq: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu") -> KVCache:
-        # Zeroed: masked positions still enter the attention product, and garbage could hold NaNs.
-        shape = (slots, kv_heads, max_seq, cfg.head_dim)
-        return cls([torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)],
-                   [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)])
+
+class PagedKV:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, heads_per_block: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+        if num_blocks < 2:
+            raise ValueError(f"a paged KV cache needs 2 or more blocks (one is scratch), got {num_blocks}")
+        self.block_size, self.heads_per_block = block_size, heads_per_block
+        self.data = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, heads_per_block, cfg.head_dim,
+                                dtype=dtype, device=device)
+        self.refs = [0] * num_blocks
+        self.reset()
+
+    @staticmethod
+    def block_bytes(cfg: ModelConfig, block_size: int, heads_per_block: int, element_size: int) -> int:
+        return 2 * cfg.num_layers * block_size * heads_per_block * cfg.head_dim * element_size
 
     @property
-    def slots(self) -> int:
-        return self.k[0].shape[0]
+    def num_blocks(self) -> int:
+        return self.data.shape[2]
 
-    def rows(self, start: int, stop: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return [k[start:stop] for k in self.k], [v[start:stop] for v in self.v]
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        for cache in (*self.k, *self.v):
-            cache[dst, :, :length] = cache[src, :, :length]
+    def reset(self) -> None:
+        """Every block free (the contents stay: nothing reads a block before writing it)."""
+        self.refs = [1] + [0] * (self.num_blocks - 1)  # scratch is never handed out
+        self._free = list(range(self.num_blocks - 1, 0, -1))  # popped from the end: low ids first
 
-    def heads(self, slot: int, heads: slice, length: int) -> list[torch.Tensor]:
-        """Views of one request's keys and values for some heads, per layer (k0, v0, k1, v1, ...)."""
-        return [cache[slot, heads, :length] for pair in zip(self.k, self.v) for cache in pair]
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise KVFull(f"{n} KV blocks asked for, {len(self._free)} free")
+        ids = [self._free.pop() for _ in range(n)]
+        for i in ids:
+            self.refs[i] = 1
+        return ids
+
+    def share(self, ids: list[int]) -> None:
+        for i in ids:
+            self.refs[i] += 1
+
+    def release(self, ids: list[int]) -> None:
+        for i in ids:
+            self.refs[i] -= 1
+            if not self.refs[i]:
+                self._free.append(i)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of layer i as token slots [blocks * block_size, heads_per_block, head_dim] (views)."""
+        k, v = self.data[i]
+        return k.flatten(0, 1), v.flatten(0, 1)
+
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        self.data[:, :, dst] = self.data[:, :, src]
+
+    def gather(self, ids: list[int]) -> torch.Tensor:
+        """The blocks' contents in every layer, flat (what a regroup sends)."""
+        return self.data[:, :, ids].reshape(-1)
+
+    def scatter(self, ids: list[int], flat: torch.Tensor) -> None:
+        self.data[:, :, ids] = flat.view(*self.data.shape[:2], len(ids), *self.data.shape[3:])
+
+    def tables_for(self, batch: int, tokens: int, groups: int) -> torch.Tensor:
+        """Allocates `batch` sequences of `tokens` tokens and `groups` head groups: their tables [B, g, blocks]
+        (profiling and tests)."""
+        n = -(-tokens // self.block_size)
+        return torch.tensor(self.allocate(batch * groups * n), device=self.data.device).view(batch, groups, n)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .comm import Communicator
 from .config import ModelConfig
+from .kv import PagedKV
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -159,33 +160,37 @@ class Transformer:
         lm_head = self.lm_head[index * vocab:(index + 1) * vocab] if sharded else self.lm_head
         return Shard(tp, index, hq, hkv, index * hkv, layers, lm_head, sharded)
 
-    def forward(self, shard: Shard, comm: Communicator, tokens: torch.Tensor, start: torch.Tensor,
-                k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], length: int | None = None,
-                last: torch.Tensor | None = None, all_positions: bool = False) -> torch.Tensor:
+    def forward(self, shard: Shard, comm: Communicator, kv: PagedKV, tokens: torch.Tensor, start: torch.Tensor,
+                tables: torch.Tensor, last: torch.Tensor | None = None, all_positions: bool = False) -> torch.Tensor:
         """Runs tokens [B, T] whose first position is start [B]; returns logits [B, vocab] at index `last` [B]
         of each row (default T-1: rows of a batched prefill are right-padded to T), or [B, T, vocab] at every
         position with `all_positions`.
 
-        k_cache/v_cache[layer] are [B, local KV heads, max_seq, head_dim] views of the rows these sequences
-        own; positions start..start+T-1 are written, 0..start+T-1 attended (causally). `length` fixes how many
-        cache positions are attended (default: just enough), so that a CUDA graph can capture the step.
+        tables [B, g, blocks] are the rows' block tables on this rank (g head groups; padding entries are block 0,
+        scratch). Positions start..start+T-1 are written, then blocks * block_size positions are read and masked
+        causally: shapes depend only on B, T and the table's width, so a CUDA graph can capture the step.
         """
         cfg, d = self.cfg, self.cfg.head_dim
         b, t = tokens.shape
+        g, bs = tables.shape[1], kv.block_size
         positions = start[:, None] + torch.arange(t, device=tokens.device)  # [B, T]
         cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, T, 1, d]
-        length = length or int(start.max()) + t
-        mask = torch.arange(length, device=tokens.device) <= positions[..., None]  # [B, T, L]
-        mask = mask.unsqueeze(1)
+        offsets = torch.arange(bs, device=tokens.device)
+        write = torch.gather(tables, 2, (positions // bs)[:, None].expand(b, g, t)) * bs + (positions % bs)[:, None]
+        read = (tables[..., None] * bs + offsets).flatten(2)  # [B, g, L]: every slot of the rows' blocks
+        length = read.shape[-1]
+        mask = (torch.arange(length, device=tokens.device) <= positions[..., None]).unsqueeze(1)  # [B, 1, T, L]
         rows = torch.arange(b, device=tokens.device)[:, None]
         x = self.w["model.embed_tokens.weight"][tokens]
-        for layer, k_all, v_all in zip(shard.layers, k_cache, v_cache):
+        for i, layer in enumerate(shard.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             q, k, v = attention_inputs(cfg, layer, h, cos, sin, shard.num_heads, shard.num_kv_heads)
-            k_all[rows, :, positions] = k  # [B, T, H, d] into [B, H, S, d] at (b, :, pos)
-            v_all[rows, :, positions] = v
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k_all[:, :, :length], v_all[:, :, :length], attn_mask=mask, enable_gqa=True)
+            keys, values = kv.layer(i)  # [slots, heads_per_block, d]
+            keys[write] = k.view(b, t, g, -1, d).transpose(1, 2)  # [B, g, T, hpb, d] at slots [B, g, T]
+            values[write] = v.view(b, t, g, -1, d).transpose(1, 2)
+            k_all = keys[read].transpose(2, 3).reshape(b, shard.num_kv_heads, length, d)
+            v_all = values[read].transpose(2, 3).reshape(b, shard.num_kv_heads, length, d)
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask, enable_gqa=True)
             out = F.linear(attn.transpose(1, 2).reshape(b, t, shard.num_heads * d), layer.wo)
             x = x + self._reduced(comm, out, layer.bo)
             x = x + self._reduced(comm, mlp(layer, rms_norm(x, layer.post_norm, cfg.rms_norm_eps)), layer.b_down)

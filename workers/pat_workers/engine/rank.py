@@ -11,14 +11,18 @@ import os
 import queue
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from pat_operator.fit import DTYPE_BYTES, REGROUP_IN_FLIGHT, ModelShape, engine_working_bytes, read_shape
 
-from .comm import BACKENDS, CommunicatorPool
+from .comm import BACKENDS, CommunicatorPool, nccl_env, process_group_options
 from . import faults
+from .config import ModelConfig
 from .costs import measure
 from .engine import Engine
+from .kv import PagedKV
 from .loader import load_model
 from .model import Transformer
 from .regroup import MIGRATION_MODES, regroup
@@ -39,7 +43,15 @@ class EngineOptions:
     # planner interpolates over the whole range a batch can take instead of extrapolating.
     profile_batches: tuple[int, ...] = ()
     threads: int = 1  # torch threads per rank on CPU
-    device: str = "auto"  # auto (CUDA when there is a GPU per rank) | cuda | cpu
+    # auto (CUDA when there is a GPU per rank) | cuda | cpu | cuda-shared: tests only, every rank on GPU 0 with gloo
+    # communicators staging through the host (NCCL refuses two ranks on one device; see _device)
+    device: str = "auto"
+    # The paged KV cache per rank: kv_cache_bytes when set, else what memory_utilization of the device's memory
+    # leaves after the weights and the working memory (like vLLM's gpu_memory_utilization); never more blocks
+    # than max_batch sequences of max_seq tokens could use.
+    memory_utilization: float = 0.9
+    kv_cache_bytes: int = 0
+    block_size: int = 16  # tokens per KV block
 
     def __post_init__(self):
         for name, ok, fix in (
@@ -49,7 +61,14 @@ class EngineOptions:
             ("migration", self.migration in MIGRATION_MODES, f"use one of {MIGRATION_MODES}"),
             ("comm_backend", self.comm_backend in ("auto", *BACKENDS), f"use auto or one of {BACKENDS}"),
             ("threads", self.threads >= 1, "use 1 or more"),
-            ("device", self.device in ("auto", "cuda", "cpu"), "use auto, cuda or cpu"),
+            ("device", self.device in ("auto", "cuda", "cpu", "cuda-shared"),
+             "use auto, cuda or cpu (cuda-shared: tests only)"),
+            ("comm_backend", self.device != "cuda-shared" or self.comm_backend in ("auto", "gloo"),
+             "ranks sharing a GPU (device cuda-shared) communicate over gloo: use auto or gloo"),
+            ("memory_utilization", 0 < self.memory_utilization <= 1, "use a fraction in (0, 1]"),
+            ("kv_cache_bytes", self.kv_cache_bytes >= 0, "use 0 (from memory_utilization) or a byte count"),
+            ("block_size", self.block_size >= 1 and not self.block_size & (self.block_size - 1),
+             "use a power of two, e.g. 16"),
         ):
             if not ok:
                 raise ValueError(f"engine option {name}={getattr(self, name)!r} is invalid: {fix}")
@@ -59,16 +78,67 @@ def _powers_of_two(up_to: int) -> list[int]:
     return [1 << i for i in range(up_to.bit_length()) if 1 << i <= up_to] + [up_to]
 
 
-def _device(rank: int, world: int, choice: str) -> torch.device:
-    """One device per rank: a GPU each when there are enough of them (NCCL needs distinct GPUs), else CPU."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if choice == "cuda" and gpus < world:
-        raise RuntimeError(f"engine option device='cuda' needs a GPU per rank: {world} ranks, {gpus} GPU(s); "
-                           f"use fewer ranks or device='cpu'")
-    if choice == "cpu" or gpus < world:
+def _device(rank: int, world: int, choice: str, gpus: int) -> torch.device:
+    """One device per rank, given the GPUs the pod sees: a GPU each (NCCL needs distinct GPUs), or CPU when there
+    is none (choice auto) or choice is cpu. A pod that sees fewer GPUs than ranks fails here: falling back to CPU
+    silently would run a GPU job orders of magnitude slower.
+
+    choice cuda-shared, for tests on a machine with fewer GPUs than ranks (e.g. the regroup checks of make
+    gpu-check): every rank on GPU 0, asked for by name, never a fallback. The ranks' memory checks each see the
+    whole GPU (set kv_cache_bytes), and their groups run gloo (process_group_options(shared=True))."""
+    if choice == "cpu" or (choice == "auto" and gpus == 0):
         return torch.device("cpu")
-    torch.cuda.set_device(rank)
+    if choice == "cuda-shared" and gpus:
+        return torch.device("cuda", 0)
+    if gpus == 0:
+        raise RuntimeError(f"engine option device={choice!r}, but the generator pod has no GPU for its {world} engine "
+                           f"rank(s): set generator.gpusPerPod to {world} (one GPU per rank), or use device 'cpu'")
+    if gpus < world:
+        raise RuntimeError(f"the generator pod has {gpus} GPU(s) for {world} engine ranks, and each rank needs its "
+                           f"own GPU: set generator.gpusPerPod to {world} or generator.ranksPerPod to {gpus} "
+                           f"(or device 'cpu' to run the ranks on CPU)")
     return torch.device("cuda", rank)
+
+
+def kv_cache_blocks(opts: EngineOptions, cfg: ModelConfig, shape: ModelShape, world: int, free: int, total: int
+                    ) -> int:
+    """Blocks of this rank's paged KV cache (+1 scratch), from the device's free and total bytes before the
+    weights are loaded, as `pat plan` counts them (pat_operator.fit). ValueError, naming the spec fields, when
+    they cannot hold one maxSeq sequence."""
+    if opts.max_seq > cfg.max_position_embeddings:
+        raise ValueError(f"generator.maxSeq={opts.max_seq} is beyond the model's max_position_embeddings="
+                         f"{cfg.max_position_embeddings}: lower generator.maxSeq")
+    max_tp = max(cfg.tp_sizes(world))
+    block = PagedKV.block_bytes(cfg, opts.block_size, cfg.num_kv_heads // max_tp, DTYPE_BYTES[opts.dtype])
+    per_sequence = -(-opts.max_seq // opts.block_size) * max_tp  # one maxSeq sequence, every head
+    if opts.kv_cache_bytes:
+        budget, source, knob = opts.kv_cache_bytes, f"--kv-cache-bytes={opts.kv_cache_bytes}", "--kv-cache-bytes"
+    else:
+        weights = shape.params * DTYPE_BYTES[opts.dtype]
+        working = int(engine_working_bytes(shape, opts.dtype, opts.max_batch, opts.max_seq, world))
+        in_flight = REGROUP_IN_FLIGHT if world > 1 else 0.0  # a regroup's buffers beside the cache
+        budget = int((opts.memory_utilization * total - (total - free) - weights - working) / (1 + in_flight))
+        source = (f"generator.memoryUtilization={opts.memory_utilization} of {_size(total)} ({_size(free)} free), "
+                  f"less the weights ({_size(weights)}) and working memory ({_size(working)}),")
+        knob = "generator.memoryUtilization"
+    if budget // block < per_sequence:
+        raise ValueError(f"{source} leaves {_size(max(budget, 0))} for the KV cache of an engine rank; one sequence "
+                         f"of generator.maxSeq={opts.max_seq} tokens needs {_size(per_sequence * block)}: raise "
+                         f"{knob} or lower generator.maxSeq")
+    return min(budget // block, opts.max_batch * per_sequence) + 1
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.2f} MiB"
+
+
+def _device_memory(device: torch.device, world: int) -> tuple[int, int]:
+    """(free, total) bytes of the rank's device; on CPU the host's available memory, shared by the ranks."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    return available // world, available // world
 
 
 def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_method: str,
@@ -76,20 +146,28 @@ def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_m
     os.environ.update(env or {})
     try:
         torch.set_num_threads(opts.threads)
-        device = _device(rank, world, opts.device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
-                                rank=rank, world_size=world)
-        pool = CommunicatorPool.build(rank, world, backend=opts.comm_backend, timeout=opts.comm_timeout)
+        device = _device(rank, world, opts.device, torch.cuda.device_count())
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            os.environ.update(nccl_env(os.environ))
+        dist.init_process_group(init_method=init_method, rank=rank, world_size=world,
+                                **process_group_options(device, opts.comm_timeout, opts.device == "cuda-shared"))
+        pool = CommunicatorPool.build(rank, world, backend=opts.comm_backend, timeout=opts.comm_timeout,
+                                      device=device)
+        # The cache's size is known, and checked, before any device memory is taken.
+        cfg, shape = ModelConfig.from_dir(model_dir), read_shape(Path(model_dir) / "config.json")
+        kv_blocks = kv_cache_blocks(opts, cfg, shape, world, *_device_memory(device, world))
         with torch.inference_mode():  # the whole rank only ever runs inference
             cfg, weights = load_model(model_dir, getattr(torch, opts.dtype), device)
             if faults.active("weights.corrupt", rank):  # silent corruption of the heads this rank serves last
                 weights["model.layers.0.self_attn.q_proj.weight"][-cfg.head_dim:] += 0.5
             model = Transformer(cfg, weights)
-            engine = Engine(model, pool, max_batch=opts.max_batch, max_seq=opts.max_seq)
             tp_sizes = cfg.tp_sizes(world)
             capacity = opts.max_batch * max(tp_sizes)
             batches = sorted({b for b in opts.profile_batches or _powers_of_two(capacity) if b <= capacity})
-            costs = measure(model, pool, tp_sizes, batches)
+            engine = Engine(model, pool, max_batch=opts.max_batch, max_seq=opts.max_seq, kv_blocks=kv_blocks,
+                            block_size=opts.block_size)
+            costs = measure(model, pool, tp_sizes, batches, engine.kv)
             events.put(("ready", rank, costs if rank == 0 else None, tp_sizes))
             _serve(engine, costs, opts, commands[rank], events)
         pool.close()

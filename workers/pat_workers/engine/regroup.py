@@ -5,7 +5,8 @@ keeps decoding:
   1. share state: each old group's leader contributes its requests (prompt, tokens so far, sampling state);
   2. plan (the same on every member): which new group takes which request, and per request whether its
      KV cache migrates (split by heads to the new peers) or is recomputed (re-prefill), by measured costs;
-  3. move: weight views for the new shard, KV pieces exchanged in one all-to-all;
+  3. move: weight views for the new shard; KV blocks by heads: a rank keeps the blocks of the heads it still
+     holds, the others go to their new holder in rounds of all-to-alls (each a few % of the pool: no second cache);
   4. commit (a barrier), then recompute what was chosen for recompute, at the new TP.
 A failure in any phase (a peer died, a timeout) falls back to TP=1 on every surviving rank of the region:
 each old group's requests go to its lowest surviving member (or the region's lowest survivor) and are
@@ -19,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from pat_operator.fit import REGROUP_IN_FLIGHT
 from pat_operator.layout import Group, Layout, group_of, groups, regions
 
 from .comm import CommError
@@ -39,6 +41,8 @@ class RegroupReport:
     modes: dict[str, int] = field(default_factory=dict)  # requests per migration mode
     seconds: dict[str, float] = field(default_factory=dict)  # kv, recompute, total
     kv_bytes: int = 0  # bytes this rank sent
+    kv_buffer_bytes: int = 0  # the most a round of the KV move held in send and receive buffers, beside the pool
+    kv_pool_bytes: int = 0  # the pool's size
     request_ids: list[str] = field(default_factory=list)  # what this rank's group holds afterwards
     dead_ranks: list[int] = field(default_factory=list)
     error: str | None = None
@@ -48,22 +52,11 @@ class RegroupReport:
 class _Move:
     request: Request
     source: Group  # old group
-    old_slot: int
-    new_slot: int
-    mode: str
+    mode: str  # kv | recompute
 
 
-def _heads(group: Group, rank: int, num_kv_heads: int) -> range:
-    per = num_kv_heads // len(group)
-    i = group.index(rank)
-    return range(i * per, (i + 1) * per)
-
-
-def _overlap(a: range, b: range) -> range:
-    return range(max(a.start, b.start), min(a.stop, b.stop))
-
-
-def regroup(engine: Engine, old: Layout, new: Layout, epoch: int, costs: Costs, migration: str = "auto") -> RegroupReport:
+def regroup(engine: Engine, old: Layout, new: Layout, epoch: int, costs: Costs, migration: str = "auto"
+            ) -> RegroupReport:
     rank = engine.rank
     region = next((r for r in regions(old, new) if rank in r), None)
     mine_new = group_of(new, rank)
@@ -77,7 +70,7 @@ def regroup(engine: Engine, old: Layout, new: Layout, epoch: int, costs: Costs, 
     old_groups = [g for g in groups(old) if set(g) <= set(region)]
     new_groups = [g for g in groups(new) if set(g) <= set(region)]
     held: dict[Group, tuple[list[Request], list[Request]]] | None = None
-    start = arrived
+    start, touched = arrived, False
     try:
         # The region's groups reach their step boundaries at different times; what a regroup costs is
         # counted from when all are there ("sync" is the wait of the earliest).
@@ -88,28 +81,29 @@ def regroup(engine: Engine, old: Layout, new: Layout, epoch: int, costs: Costs, 
         held = {g: s for g, s in comm.all_gather_object((engine.group, state)) if s is not None}
         moves, waiting = _plan(engine, held, old_groups, new_groups, costs, migration)
         failpoint("regroup.transfer", rank)
-        kv = engine.new_cache(len(mine_new))
-        sent = _move_kv(engine, comm, region, moves, kv)
+        touched = True  # from here on this rank's blocks change: a failure recomputes everything
+        tables, sent, buffered = _move_kv(engine, comm, region, moves)
         kv_seconds = time.perf_counter() - start
         failpoint("regroup.commit", rank)
         comm.barrier()
     except CommError as error:
-        return _fall_back(engine, region, old_groups, held, error, epoch, start)
+        return _fall_back(engine, region, old_groups, held, error, epoch, start, touched)
 
-    engine.join(mine_new, kv)
+    engine.join(mine_new)
+    engine.tables = tables
     engine.running = [m.request for m in moves[mine_new]]
     engine.waiting = deque(waiting[mine_new])
     recompute_start = time.perf_counter()
     try:
         engine.prefill_pending()
     except CommError as error:  # a peer died after the commit: the requests are all here, start over at TP=1
-        return _fall_back(engine, region, old_groups, held, error, epoch, start)
+        return _fall_back(engine, region, old_groups, held, error, epoch, start, True)
     end = time.perf_counter()
     modes = {mode: sum(m.mode == mode for m in moves[mine_new]) for mode in ("kv", "recompute")}
     return RegroupReport(epoch, rank, mine_new, "applied", region, modes,
                          {"sync": start - arrived, "kv": kv_seconds, "recompute": end - recompute_start,
                           "total": end - start},
-                         sent, _ids(engine))
+                         sent, buffered, engine.kv.data.nbytes, _ids(engine))
 
 
 def _ids(engine: Engine) -> list[str]:
@@ -117,90 +111,129 @@ def _ids(engine: Engine) -> list[str]:
 
 
 def _plan(engine: Engine, held, old_groups: list[Group], new_groups: list[Group], costs: Costs, migration: str):
-    """For each new group: the requests it runs (with their slots and modes) and those it queues."""
+    """For each new group: the requests it runs (with their modes) and those it queues. The same on every rank."""
     if migration not in MIGRATION_MODES:
         raise ValueError(f"migration={migration!r}: use one of {MIGRATION_MODES}")
-    cfg = engine.model.cfg
+    cfg, bs = engine.model.cfg, engine.kv.block_size
     bytes_per_head_token = 2 * cfg.num_layers * cfg.head_dim * engine.model.dtype.itemsize
-    assigned: dict[Group, list[tuple[Request, Group, int]]] = {g: [] for g in new_groups}
+    assigned: dict[Group, list[tuple[Request, Group]]] = {g: [] for g in new_groups}
     waiting: dict[Group, list[Request]] = {g: [] for g in new_groups}
     for old in old_groups:
         running, queued = held[old]
         targets = [g for g in new_groups if set(g) & set(old)]  # one group that merges it, or its parts
         for k, r in enumerate(running):
-            assigned[targets[k % len(targets)]].append((r, old, k))
+            assigned[targets[k % len(targets)]].append((r, old))
         for k, r in enumerate(queued):
             waiting[targets[(len(running) + k) % len(targets)]].append(r)
     moves: dict[Group, list[_Move]] = {}
     for g, items in assigned.items():
         capacity = engine.max_batch * len(g)
-        for r, _, _ in items[capacity:]:  # more than the new cache holds: queue them, to be re-prefilled
+        for r, _ in items[capacity:]:  # more than the new group runs: queue them, to be re-prefilled
             r.cached = 0
-        waiting[g][:0] = [r for r, _, _ in items[capacity:]]
-        chosen = []
-        for r, old, old_slot in items[:capacity]:
-            crossing = sum(len(_overlap(_heads(g, j, cfg.num_kv_heads), _heads(old, m, cfg.num_kv_heads)))
-                           for j in g for m in old if m != j)
+        waiting[g][:0] = [r for r, _ in items[capacity:]]
+        moves[g] = []
+        for r, old in items[:capacity]:
+            crossing = engine.kv.heads_per_block * sum(
+                _holder(old, h, engine.max_tp) != _holder(g, h, engine.max_tp) for h in range(engine.max_tp))
             mode = migration if migration != "auto" else costs.choose(
                 crossing * r.cached * bytes_per_head_token, r.cached, len(g))
-            chosen.append((mode != "kv", r, old, old_slot, mode))
-        # Migrated requests first: those to recompute then fill consecutive slots, prefilled in one batch.
-        chosen.sort(key=lambda c: c[0])
-        moves[g] = [_Move(r, old, old_slot, slot, mode) for slot, (_, r, old, old_slot, mode) in enumerate(chosen)]
-        for mv in moves[g]:
+            moves[g].append(_Move(r, old, mode))
+    # Blocks: a rank holds its new group's migrated requests, and until they leave the blocks it sends. Migrate
+    # while both fit; recompute the rest (re-prefilled after the move, when blocks are free again).
+    sends = {rank: 0 for g in new_groups for rank in g}
+    for g, group_moves in moves.items():
+        for mv in group_moves:
+            for h in range(engine.max_tp):
+                m, j = _holder(mv.source, h, engine.max_tp), _holder(g, h, engine.max_tp)
+                if mv.mode == "kv" and m != j:
+                    sends[m] += -(-mv.request.cached // bs)
+    usable = engine.kv.num_blocks - 1
+    for g, group_moves in moves.items():
+        held_blocks = max(sends[j] for j in g)
+        for mv in group_moves:
+            need = -(-mv.request.cached // bs) * (engine.max_tp // len(g))
+            if mv.mode == "kv" and held_blocks + need > usable:
+                mv.mode = "recompute"
+            elif mv.mode == "kv":
+                held_blocks += need
+        group_moves.sort(key=lambda mv: mv.mode != "kv")  # those to recompute go in one batched prefill
+        for mv in group_moves:
             if mv.mode == "recompute":
                 mv.request.cached = 0
     return moves, waiting
 
 
-def _move_kv(engine: Engine, comm, region: Group, moves: dict[Group, list[_Move]], kv) -> int:
-    """Moves every migrating request's cache to its new owners in one all-to-all; returns bytes sent."""
-    rank, n_kv = engine.rank, engine.model.cfg.num_kv_heads
-    old_heads = _heads(engine.group, rank, n_kv)
-    sends: list[list[torch.Tensor]] = [[] for _ in region]  # per region member: what goes to it, in order
-    expected: list[list[torch.Tensor]] = [[] for _ in region]  # per region member: where its pieces land
+def _holder(group: Group, head_group: int, max_tp: int) -> int:
+    """The rank of `group` that holds a head group (of the pod's max_tp), and so its blocks."""
+    return group[head_group // (max_tp // len(group))]
+
+
+def _move_kv(engine: Engine, comm, region: Group, moves: dict[Group, list[_Move]]):
+    """Gives every migrating request its blocks in its new group: what a rank keeps stays in place, what changes
+    rank goes in rounds of all-to-alls of at most REGROUP_IN_FLIGHT / 2 of the pool each way (no second cache).
+    Returns the new tables of this rank's requests, the bytes it sent and the most bytes one round buffered."""
+    rank, kv, max_tp = engine.rank, engine.kv, engine.max_tp
+    old_tables = engine.tables
+    tables: dict[str, list[list[int | None]]] = {}
+    kept: set[tuple[str, int]] = set()  # (request, local head group before) whose blocks stay here
+    transfers: dict[tuple[int, int], list[tuple[Request, Group, Group, int, int]]] = {}
     for g, group_moves in moves.items():
         for mv in group_moves:
             if mv.mode != "kv":
                 continue
-            for j in g:
-                want = _heads(g, j, n_kv)
-                for m in mv.source:
-                    piece = _overlap(want, _heads(mv.source, m, n_kv))
-                    if not piece or rank not in (j, m):
-                        continue
-                    length = mv.request.cached
-                    if m == rank:
-                        src = slice(piece.start - old_heads.start, piece.stop - old_heads.start)
-                        views = engine.kv.heads(mv.old_slot, src, length)
-                    if j == rank:
-                        dst = slice(piece.start - want.start, piece.stop - want.start)
-                        targets = kv.heads(mv.new_slot, dst, length)
-                    if m == j:
-                        for t, s in zip(targets, views):
-                            t.copy_(s)
-                    elif m == rank:
-                        sends[region.index(j)].extend(v.reshape(-1) for v in views)
-                    else:
-                        expected[region.index(m)].extend(targets)
-    flat = [torch.cat(s) if s else None for s in sends]
-    received = comm.all_to_all(flat)
-    for source, targets in enumerate(expected):
-        offset = 0
-        for t in targets:
-            t.copy_(received[source][offset:offset + t.numel()].view(t.shape))
-            offset += t.numel()
-    return sum(f.numel() * f.element_size() for f in flat if f is not None)
+            r, per_old, per_new = mv.request, max_tp // len(mv.source), max_tp // len(g)
+            blocks = -(-r.cached // kv.block_size)
+            if rank in g:
+                tables[r.id] = [[None] * blocks for _ in range(per_new)]
+            for h in range(max_tp):
+                m, j = _holder(mv.source, h, max_tp), _holder(g, h, max_tp)
+                if m == j == rank:
+                    tables[r.id][h % per_new] = old_tables[r.id][h % per_old]
+                    kept.add((r.id, h % per_old))
+                elif m != j:
+                    transfers.setdefault((m, j), []).extend((r, mv.source, g, h, b) for b in range(blocks))
+    leaving: set[int] = set()  # blocks sent in a round: released then, not again at the end
+    for (m, _), items in transfers.items():
+        if m == rank:
+            leaving |= {old_tables[r.id][h % (max_tp // len(src))][b] for r, src, _, h, b in items}
+    for rid, lists in old_tables.items():  # first free what neither stays nor leaves: room for what arrives
+        for i, blocks in enumerate(lists):
+            if (rid, i) not in kept:
+                kv.release([b for b in blocks if b not in leaving])
+    per_round = max(1, int(REGROUP_IN_FLIGHT / 2 * kv.num_blocks / max(len(region) - 1, 1)))  # sent, and received
+    rounds = max((-(-len(items) // per_round) for items in transfers.values()), default=0)
+    sent = buffered = 0
+    for k in range(rounds):
+        sends: list[torch.Tensor | None] = [None] * len(region)
+        arriving: list[list[int]] = [[] for _ in region]
+        for (m, j), items in transfers.items():
+            chunk = items[k * per_round:(k + 1) * per_round]
+            if m == rank and chunk:
+                ids = [old_tables[r.id][h % (max_tp // len(src))][b] for r, src, _, h, b in chunk]
+                sends[region.index(j)] = kv.gather(ids)
+                kv.release(ids)
+                sent += sends[region.index(j)].numel() * sends[region.index(j)].element_size()
+            if j == rank and chunk:
+                ids = kv.allocate(len(chunk))
+                for (r, _, g, h, b), new in zip(chunk, ids):
+                    tables[r.id][h % (max_tp // len(g))][b] = new
+                arriving[region.index(m)] = ids
+        received = comm.all_to_all(sends)
+        buffered = max(buffered, sum(t.nbytes for t in sends + received if t is not None))
+        for ids, flat in zip(arriving, received):
+            if ids:
+                kv.scatter(ids, flat)
+    return tables, sent, buffered
 
 
 def _fall_back(engine: Engine, region: Group, old_groups: list[Group], held, error: CommError, epoch: int,
-               start: float) -> RegroupReport:
+               start: float, touched: bool) -> RegroupReport:
     rank = engine.rank
     dead = set(error.dead_ranks) | (set(engine.pool.dead_ranks()) & set(region))
     alive = [r for r in region if r not in dead]
     if held is None:  # the state never got shared: each group keeps its own requests
         held = {engine.group: (list(engine.running), list(engine.waiting))}
-    keep_own = engine.group == (rank,)  # still the TP=1 replica it was: its cache is intact
+    keep_own = engine.group == (rank,) and not touched  # still the TP=1 replica it was, its blocks intact
     adopted: list[Request] = []
     for old in old_groups:
         if old not in held:
@@ -211,9 +244,11 @@ def _fall_back(engine: Engine, region: Group, old_groups: list[Group], held, err
     if keep_own:
         running, waiting = held[(rank,)]
         engine.running, engine.waiting = list(running), deque(waiting)
-    else:
+    else:  # every request here is re-prefilled: no block is worth keeping
         engine.join((rank,))
         engine.running, engine.waiting = [], deque()
+        engine.tables.clear()
+        engine.kv.reset()
     for r in adopted:
         r.cached = 0
     engine.waiting.extendleft(reversed(adopted))

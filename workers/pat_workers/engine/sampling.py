@@ -1,16 +1,29 @@
-"""Greedy and temperature / top-k / top-p sampling that is a pure function of (logits, seed, step).
+"""Greedy and temperature / top-k / top-p sampling as one batched computation on the device.
 
-The random number of a request's n-th token depends only on its seed and n, never on which rank, batch or TP
-group samples it: a request keeps its exact sample path across a regroup, a recompute or a restart.
+Guarantee (the sample path): a row's token is a pure function of its logits row, its SamplingParams and its step
+(the index of the token in its request's output). It never depends on the other rows, the batch size, the padding
+or the rank that samples it, so a request keeps its exact sample path across a regroup, a recompute or a restart.
+
+Every row draws by inverse CDF in vocabulary order: cumsum of its (kept) probabilities, then the first token whose
+cumulative mass exceeds u * total, with u = uniform(seed, step). That costs O(V) with no sort, and it makes a row's
+draw independent of how the other rows are sorted. Top-k / top-p rows only need a probability threshold: the
+probability of their k-th token or of the last token of the smallest prefix whose mass reaches top_p, read from
+the sorted top `sort_k` probabilities. Those values are the same for any sort_k at least what the row needs, whatever
+order topk gives tied tokens, so a filtering row gets the same token whichever other rows set sort_k. Tokens tied
+with the threshold stay in.
+
+Everything is float32 tensor ops with no host synchronisation and no per-row Python: the engine captures `sample`
+in CUDA graphs and torch.compile(fullgraph=True). The only Python branch is on SamplingBatch.sort_k, static per step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-MASK64 = (1 << 64) - 1
+MASK32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -34,36 +47,87 @@ class SamplingParams:
                 raise ValueError(f"sampling.{name}={getattr(self, name)!r} is invalid: {fix}")
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters as device tensors [B] (built once on the host per step)."""
+
+    temperature: torch.Tensor  # float32, 0 = greedy
+    top_p: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64, 0 = no limit
+    seed: torch.Tensor  # int64
+    sort_k: int  # 0: no row filters (no sort at all); else how many top tokens the filtering rows need
+    # (max top_k, or the vocabulary size when a row has top_p < 1 without top_k)
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], vocab: int, device, rows: int | None = None) -> SamplingBatch:
+        """The batch for `params`, padded to `rows` rows (a batch bucket) with greedy rows."""
+        rows = len(params) if rows is None else rows
+        if rows < len(params):
+            raise ValueError(f"rows={rows} is fewer than the {len(params)} requests")
+        # Filters that cannot change a token force no sort: a greedy row's, a top_k of the whole vocabulary.
+        params = [p if p.temperature > 0 else SamplingParams() for p in params]
+        params += [SamplingParams()] * (rows - len(params))
+        top_k = [p.top_k if p.top_k < vocab else 0 for p in params]
+        need = [k or (vocab if p.top_p < 1 else 0) for k, p in zip(top_k, params)]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            seed=torch.tensor([p.seed for p in params], dtype=torch.int64, device=device),
+            sort_k=max(need, default=0),
+        )
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The per-row tensors in field order: SamplingBatch(*batch.tensors(), sort_k=batch.sort_k) rebuilds it."""
+        return self.temperature, self.top_p, self.top_k, self.seed
 
 
-def uniform(seed: int, step: int) -> float:
-    """A uniform number in [0, 1) for token `step` of a request seeded with `seed` (counter-based)."""
-    return (_splitmix64(_splitmix64(seed & MASK64) ^ step) >> 11) / float(1 << 53)
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (values < 2**32 times a multiplier < 2**31 never overflow int64)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
+    return (x >> 16) ^ x
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> tuple[list[int], list[float]]:
-    """Next token and its log-probability under the policy (raw logits, temperature 1) for each row."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    tokens = logprobs.argmax(dim=-1).tolist()
-    for row, (p, step) in enumerate(zip(params, steps)):
-        if p.temperature > 0:
-            tokens[row] = _draw(logits[row].double() / p.temperature, p, uniform(p.seed, step))
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
-    return tokens, chosen.tolist()
+def uniform(seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """float32 uniform in [0, 1) per element: a counter-based hash of (seed, step) in integer tensor ops.
+
+    Both 32-bit halves of the int64 seed are folded in (negative seeds included); the output has 24-bit resolution,
+    so every value is exact in float32 and below 1.
+    """
+    h = _mix32((seed & MASK32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((seed >> 32) & MASK32))
+    h = _mix32(h ^ (step & MASK32))
+    return (h >> 8).to(torch.float32) / float(1 << 24)
 
 
-def _draw(scaled: torch.Tensor, p: SamplingParams, u: float) -> int:
-    probs, order = torch.softmax(scaled, dim=-1).sort(descending=True)
-    if p.top_k:
-        probs = probs[:p.top_k]
-    if p.top_p < 1:
-        keep = (probs.cumsum(0) - probs) < p.top_p  # the smallest prefix whose mass reaches top_p
-        probs = probs[keep]
-    cdf = probs.cumsum(0)
-    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)))
-    return int(order[min(index, len(cdf) - 1)])
+def sample(logits: torch.Tensor, batch: SamplingBatch, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of each row and its log-probability under the policy.
+
+    logits [B, V] (any float dtype); steps [B] int64, the index of the token being sampled in its request's output.
+    Returns tokens [B] int64 and their log-probabilities [B] float32 at temperature 1 (log_softmax of the raw logits).
+    """
+    logits = logits.float()
+    hot = batch.temperature > 0
+    probs = torch.softmax(logits / torch.where(hot, batch.temperature, 1.0)[:, None], dim=-1)
+    if batch.sort_k:
+        probs = torch.where(probs >= _threshold(probs, batch)[:, None], probs, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()  # searchsorted wants contiguous values
+    drawn = torch.searchsorted(cdf, uniform(batch.seed, steps)[:, None] * total, right=True)
+    # u * total can round up to total: stay on the last token that adds mass (the last kept one).
+    drawn = torch.minimum(drawn, torch.searchsorted(cdf, total))[:, 0]
+    tokens = torch.where(hot, drawn, logits.argmax(dim=-1))
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    return tokens, logprobs
+
+
+def _threshold(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Per row, the least probability a token needs to stay in: 0 for rows without top-k / top-p."""
+    top = probs.topk(batch.sort_k, dim=-1, sorted=True).values
+    k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=batch.sort_k), batch.sort_k)
+    within = torch.arange(batch.sort_k, device=probs.device) < k[:, None]
+    top_p = batch.top_p[:, None]
+    keep = within & (((top.cumsum(dim=-1) - top) < top_p) | (top_p >= 1))  # smallest prefix whose mass reaches top_p
+    least = top.gather(1, keep.sum(dim=-1, keepdim=True) - 1)[:, 0]
+    return torch.where((batch.top_k > 0) | (batch.top_p < 1), least, 0.0)

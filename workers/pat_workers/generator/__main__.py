@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--migration", choices=("auto", "kv", "recompute"), default="auto")
     ap.add_argument("--max-batch", type=int, default=64, help="sequences per TP=1 replica")
     ap.add_argument("--max-seq", type=int, default=512, help="prompt + response tokens per sequence")
+    ap.add_argument("--memory-utilization", type=float, default=0.9, help="fraction of each GPU's memory the engine "
+                    "may use: weights, working memory and the paged KV cache, which gets the rest")
+    ap.add_argument("--kv-cache-bytes", type=int, default=0, help="explicit KV pool bytes per rank, overrides "
+                    "--memory-utilization; for tests and benchmarks")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--profile", help="offline T(tp, batch, context) profile JSON (Profile.to_json); default: measured")
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (default: the model directory)")
@@ -53,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         options = EngineOptions(max_batch=args.max_batch, max_seq=args.max_seq, dtype=args.dtype,
-                                migration=args.migration, comm_backend=args.comm_backend, device=args.device)
+                                migration=args.migration, comm_backend=args.comm_backend, device=args.device,
+                                memory_utilization=args.memory_utilization, kv_cache_bytes=args.kv_cache_bytes)
         tp_sizes = tuple(int(t) for t in args.tp_sizes.split(",")) if args.tp_sizes else None
         coordinator = Coordinator(PodConfig(args.model, args.ranks, options, args.controller, args.margin,
                                             args.cooldown_steps, args.profile, args.tokenizer, tp_sizes))

@@ -350,12 +350,10 @@ class Coordinator:
 
     # -- commands (run on the thread, through post) ------------------------------------------------------
     def submit(self, rollouts: RolloutBatch) -> BatchStatus:
-        """Starts generating a batch (one at a time: synchronous RLHF generates each batch with one policy)."""
-        self._refuse_while_busy("a new batch")
-        if rollouts.policy_version != self.gen.policy_version:
-            raise Conflict(f"policy_version: the batch asks for version {rollouts.policy_version}, the pod holds "
-                           f"version {self.gen.policy_version}; send the weights first (POST /v1/weights) or ask "
-                           f"for {self.gen.policy_version}")
+        """Starts generating a batch (one at a time: synchronous RLHF generates each batch with one policy). A
+        batch with a request the engine can never generate (a prompt of maxSeq tokens or more, a token outside the
+        vocabulary) is refused whole (422) even while another batch generates, which goes on: waiting would not
+        help it."""
         first: dict[str, int] = {}
         for i, r in enumerate(rollouts.requests):
             if r.id in first:
@@ -363,10 +361,18 @@ class Coordinator:
                               f"within a batch")
             first[r.id] = i
         requests = [self._request(r) for r in rollouts.requests]
-        try:
-            self.gen.check(requests)
-        except ValueError as e:
-            raise Invalid(str(e)) from None
+        # The engine also refuses the id of an unfinished request: from a busy pod that is the 409 below instead
+        # (e.g. the same batch sent again while it generates).
+        if not (self._generating() and not first.keys().isdisjoint(self._batch.ids)):
+            try:
+                self.gen.check(requests)
+            except ValueError as e:
+                raise Invalid(str(e)) from None
+        self._refuse_while_busy("a new batch")
+        if rollouts.policy_version != self.gen.policy_version:
+            raise Conflict(f"policy_version: the batch asks for version {rollouts.policy_version}, the pod holds "
+                           f"version {self.gen.policy_version}; send the weights first (POST /v1/weights) or ask "
+                           f"for {self.gen.policy_version}")
         max_tokens = max(r.params.max_tokens for r in requests)
         if self.controller is not None:
             self._predictor = LengthPredictor(max_tokens, prior=list(self._lengths))
