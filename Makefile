@@ -64,12 +64,17 @@ simulate: $(STAMP)
 	$(VENV)/bin/pat simulate --preset paper-llama8b
 	$(VENV)/bin/pat simulate --preset paper-qwen14b
 
+# The decode forward of a Llama-3.1-8B-shaped model on one GPU beside the HBM roofline (--shards: per TP shard, the
+# GPU side of `pat simulate`'s cost model; docs/simulate.md).
 gpu-bench: $(STAMP)
 	$(PY) bench/gpu_decode.py
 
-# One trainer step of a Qwen2.5-1.5B-shaped model on one GPU: peak memory vs the fit check, and MFU
-# (bench/results/gpu-check-trainer.json; docs/trainer-memory.md). Without the venv (a bare GPU machine) it runs
-# the machine's python3, with pydantic's wheels carried in .whl/.
+# On one GPU, <= 8 minutes, results in bench/results/ (GPU_CHECK_OUT=DIR to change): one trainer step of a
+# Qwen2.5-1.5B-shaped model, peak memory vs the fit check and MFU (gpu-check-trainer.json; docs/trainer-memory.md);
+# then the engine (gpu-check-engine.json; docs/benchmarks.md): Engine.step() of a Llama-3.1-8B-shaped model at batch
+# 1 and 128 against the HBM roofline, host time per step, eager vs CUDA graphs, the example's sequences per GPU, and
+# regroups of 2 and 4 ranks sharing the GPU against fp32. Without the venv (a bare GPU machine) it runs the machine's
+# python3, with pydantic's wheels carried in .whl/.
 gpu-check:
 	scripts/gpu-check.sh
 

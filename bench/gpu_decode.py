@@ -3,7 +3,8 @@
 The roofline of one decode step is (weight bytes + KV bytes read) / HBM bandwidth; decode at small batch is
 memory-bound, so the fraction of it reached says how much of the GPU the engine uses. The step runs through
 the engine's own forward (the shard views), captured in a CUDA graph so that kernel launches do not hide
-the memory time. With --shards it also times what one rank of a TP=t group computes (its shard: 1/t of the
+the memory time (the forward alone: bench/gpu_engine.py times the engine's whole step, sampling and scheduling
+included, for make gpu-check). With --shards it also times what one rank of a TP=t group computes (its shard: 1/t of the
 heads and MLP columns; the all-reduces between ranks need t GPUs and are not in it), at several contexts, and
 prefills; --out writes all of it as JSON (the measured side that `pat simulate`'s GPU cost model is checked
 against). Without a GPU it says so and exits 2.
@@ -22,24 +23,31 @@ import torch
 
 from pat_workers.engine.comm import SoloCommunicator
 from pat_workers.engine.config import ModelConfig
-from pat_workers.engine.kv import KVCache
+from pat_workers.engine.kv import PagedKV
 from pat_workers.engine.model import Transformer
 from pat_workers.engine.tiny import PRESETS, hf_config, random_weights
 
+BLOCK_SIZE = 16  # the engine's default
 H200_BANDWIDTH = 4.8e12 * 0.9  # 4.8 TB/s peak; ~4.3 TB/s is what a device-to-device copy reaches
+
+
+def paged(model: Transformer, batch: int, tokens: int, tp: int) -> tuple[PagedKV, torch.Tensor]:
+    """A paged KV cache holding `batch` sequences of `tokens` of rank 0's heads at TP=tp, and their block tables."""
+    blocks = -(-tokens // BLOCK_SIZE)
+    kv = PagedKV(model.cfg, batch * blocks + 1, BLOCK_SIZE, model.cfg.num_kv_heads // tp, model.dtype, model.device)
+    return kv, kv.tables_for(batch, tokens, 1)
 
 
 def decode_seconds(model: Transformer, batch: int, context: int, iters: int, tp: int = 1) -> float:
     """One decode step of rank 0's TP=tp shard, replayed from a CUDA graph."""
-    cfg, device = model.cfg, model.device
+    device = model.device
     shard, comm = model.shard(tp, 0), SoloCommunicator(0)
-    cache = KVCache.allocate(cfg, batch, cfg.num_kv_heads // tp, context + 1, model.dtype, device)
-    k, v = cache.rows(0, batch)
+    kv, tables = paged(model, batch, context + 1, tp)
     tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
     start = torch.full((batch,), context, dtype=torch.long, device=device)
 
     def step():
-        return model.forward(shard, comm, tokens, start, k, v, length=context + 1)
+        return model.forward(shard, comm, kv, tokens, start, tables)
 
     with torch.inference_mode():
         stream = torch.cuda.Stream()
@@ -64,18 +72,18 @@ def decode_seconds(model: Transformer, batch: int, context: int, iters: int, tp:
 
 def prefill_seconds(model: Transformer, tokens: int, tp: int, iters: int = 5) -> float:
     """Prefilling one sequence of `tokens` on rank 0's TP=tp shard (large kernels: no graph needed)."""
-    cfg, device = model.cfg, model.device
+    device = model.device
     shard, comm = model.shard(tp, 0), SoloCommunicator(0)
-    k, v = KVCache.allocate(cfg, 1, cfg.num_kv_heads // tp, tokens, model.dtype, device).rows(0, 1)
+    kv, tables = paged(model, 1, tokens, tp)
     ids, start = torch.zeros(1, tokens, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long,
                                                                                       device=device)
     with torch.inference_mode():
-        model.forward(shard, comm, ids, start, k, v)
+        model.forward(shard, comm, kv, ids, start, tables)
         torch.cuda.synchronize()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         for _ in range(iters):
-            model.forward(shard, comm, ids, start, k, v)
+            model.forward(shard, comm, kv, ids, start, tables)
         end.record()
         torch.cuda.synchronize()
     return begin.elapsed_time(end) / 1e3 / iters

@@ -167,3 +167,26 @@ def test_a_pod_whose_cache_cannot_hold_a_sequence_fails_at_start(model_dir):
     options = EngineOptions(max_batch=4, max_seq=192, kv_cache_bytes=4096, device="cpu", profile_batches=(1,))
     with pytest.raises(GeneratorError, match=r"one sequence of generator.maxSeq=192 tokens needs"):
         LocalGenerator(model_dir, 1, options).start()
+
+
+def test_a_pods_preemptions_and_kv_usage_are_metrics(model, model_dir):
+    """A pod whose KV cache holds one maxSeq sequence: the preemptions it makes, and how full its cache is, are
+    Prometheus metrics (what a vLLM user reads as num_preemptions and kv_cache_usage)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pat_workers.engine.generator import LocalGenerator
+    from pat_workers.engine.rank import EngineOptions
+
+    cfg = model.cfg
+    budget = 12 * PagedKV.block_bytes(cfg, 16, cfg.num_kv_heads, 4)  # one rank: a block holds every head
+    options = EngineOptions(max_batch=8, max_seq=192, kv_cache_bytes=budget, device="cpu", profile_batches=(1,))
+    requests = [Request(r.id, r.prompt, dataclasses.replace(r.params, max_tokens=60 + 5 * i))
+                for i, r in enumerate(make_requests(8))]
+    usage = []
+    with LocalGenerator(model_dir, 1, options) as gen:
+        gen.run(fresh(requests), on_step=lambda _: usage.append(gen.metrics.kv_usage.labels("0-0")._value.get()))
+        text = generate_latest(gen.metrics.registry).decode()
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["pat_generator_preemptions_total"] > 0
+    assert max(usage) > 0.9 and samples['pat_generator_kv_cache_usage'] == 0  # full while it ran, empty at the end

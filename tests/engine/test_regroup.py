@@ -6,8 +6,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client import generate_latest
 
-from pat_operator.layout import LayoutError
+from pat_operator.layout import LayoutError, groups
 from pat_workers.engine.generator import LocalGenerator
+from pat_workers.engine.metrics import group_label
 from pat_workers.engine.tiny import make_tiny_model
 
 from .conftest import OPTIONS, fresh, make_requests, mismatches
@@ -66,6 +67,8 @@ def test_regroup_matches_single_process(gen4, reference, transition, point, migr
             assert r.kv_buffer_bytes > 0
     assert gen4.layout == target
     assert mismatches(reference, result.completions) == []
+    # Every block came back: each group's cache is empty once its last request finished.
+    assert [gen4.metrics.kv_usage.labels(group_label(g))._value.get() for g in groups(target)] == [0] * len(target)
 
 
 def test_auto_mode_and_metrics(gen4, reference):

@@ -1,5 +1,6 @@
 """The trainer's benchmark scripts run end to end here: bench/gpu_check.py's code path on CPU (--smoke), and
-bench/trainer_memory.py on the test model (--quick), whose sharding it measures."""
+bench/trainer_memory.py on the test model (--quick), whose sharding it measures; and the engine's
+bench/engine_capacity.py (--quick)."""
 
 import json
 import subprocess
@@ -44,3 +45,16 @@ def test_trainer_memory_quick_measures_the_shards():
         assert w["state_bytes_per_rank"] == max(w["state_bytes_ranks"]) and w["peak_rss_bytes"] > 0
     assert result["state_bytes_per_rank_ratio_4_over_1"] < 0.5
     assert result["estimate_error"] <= 0.15
+
+
+def test_engine_capacity_quick_measures_the_paged_cache(tmp_path):
+    result = run_script("bench/engine_capacity.py", "--quick", "--models", str(tmp_path), timeout=120)
+    # The default budget is 8 maxSeq slots; the same bytes as blocks keep more of the lognormal batch running. The
+    # schedule counts blocks only, so these hold exactly.
+    assert result["slots_sequences"] == 8 and result["budget_bytes"] == 8 * result["max_seq"] * 512  # test model
+    assert result["paged_sequences_peak"] >= result["paged_sequences_mean"] > result["slots_sequences"]
+    assert result["capacity_ratio"] == pytest.approx(result["paged_sequences_mean"] / 8, abs=1e-3)
+    assert result["recomputed_tokens"] >= 0 and result["preemptions"] >= 0
+    # Timings only exist: the quick model's step is mostly sampling, and a shared CPU can even invert the two.
+    assert result["tokens_per_s_paged"] > 0 and result["tokens_per_s_slots"] > 0
+    assert result["sampling_share"] > 0 and result["sampling_share_top_p"] > 0

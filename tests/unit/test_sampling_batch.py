@@ -35,7 +35,7 @@ def test_build_pads_with_greedy_rows_and_sizes_the_sort():
     assert batch.top_k.tolist()[5:7] == [0, 0] and batch.top_p[5] == 1  # greedy and past-vocabulary filters dropped
     assert batch.sort_k == VOCAB  # the top_p row without top_k needs the whole vocabulary
     no_top_p = [p for p in MIXED if not (p.top_p < 1 and p.top_k == 0)]
-    assert SamplingBatch.build(no_top_p, VOCAB, "cpu").sort_k == 12
+    assert SamplingBatch.build(no_top_p, VOCAB, "cpu").sort_k == 16  # top_k 12, rounded up: one graph per width
     assert SamplingBatch.build(MIXED[:2] + MIXED[5:7], VOCAB, "cpu").sort_k == 0
     with pytest.raises(ValueError, match="rows=2"):
         SamplingBatch.build(MIXED, VOCAB, "cpu", rows=2)

@@ -71,10 +71,11 @@ def _timed(fn, repeats: int, device: torch.device) -> float:
 
 
 def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], batches: list[int], kv: PagedKV,
-            repeats: int = 7) -> Costs:
+            static_shapes: bool = False, repeats: int = 7) -> Costs:
     """Collective over the pod's ranks. Runs in the engine's own (empty) KV pool: rows of the profiled batches take
     its blocks in turn, wrapping around when it is smaller than they need (what a step reads and writes is the same
-    amount of memory either way), so profiling takes no memory beside the pool."""
+    amount of memory either way), so profiling takes no memory beside the pool. static_shapes: tables padded as the
+    engine pads them for graphs."""
     rank, world = pool.rank, pool.world
     device, cfg, max_tp, bs = model.device, model.cfg, max(tp_sizes), kv.block_size
     long_context = max(min(LONG_CONTEXT, cfg.max_position_embeddings - 1), DECODE_CONTEXT + 1)
@@ -94,7 +95,8 @@ def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], bat
         for batch, context in [(b, DECODE_CONTEXT) for b in batches] + [(max(batches), long_context)]:
             tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
             start = torch.full((batch,), context, dtype=torch.long, device=device)
-            table = tables[:batch, :, :bucket(context // bs + 1, width)]  # as the engine pads
+            blocks = context // bs + 1
+            table = tables[:batch, :, :bucket(blocks, width) if static_shapes else blocks]  # as the engine pads
             samples.append(_timed(lambda: model.forward(shard, comm, kv, tokens, start, table), repeats, device))
     link = (0.0, 0.0)
     if world > 1:
@@ -105,7 +107,7 @@ def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], bat
         link = (bandwidth, latency)
     agreed = torch.tensor([*samples, -link[0], *link[1:]], dtype=torch.float64)
     if world > 1:  # the slowest rank's numbers (and the lowest bandwidth) everywhere
-        agreed = agreed.to(device)
+        agreed = agreed.to(device) if dist.get_backend() == "nccl" else agreed  # NCCL reduces device memory only
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         agreed = agreed.cpu()
     values = agreed.tolist()

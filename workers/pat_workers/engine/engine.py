@@ -87,7 +87,9 @@ class Engine:
         self._graphs: dict[tuple, Callable] = {}
         self._graph_pool = None
         self._cuda_graphs = cuda_graphs and model.device.type == "cuda"
-        self.decode_fn = self._decode  # the step's device part; tests put torch.compile around it
+        # Graphs need a few fixed shapes: batches and tables padded to power-of-two buckets. Eager steps run as is.
+        self.static_shapes = self._cuda_graphs
+        self.decode_fn = self._decode  # the step's device part when not captured (torch.compile can wrap it)
         self.join((self.rank,))
 
     # -- the group ---------------------------------------------------------------------------------------
@@ -117,18 +119,22 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV blocks in use (scratch not counted)."""
+        return 1 - self.kv.free_blocks / (self.kv.num_blocks - 1)
+
     def blocks_for(self, tokens: int) -> int:
         """Blocks a request of `tokens` cached tokens holds on this rank."""
         return -(-tokens // self.kv.block_size) * self.head_groups
 
     # -- blocks ------------------------------------------------------------------------------------------
-    def _grant(self, r: Request, tokens: int) -> bool:
-        """Gives r the blocks for `tokens` cached tokens, if free."""
+    def _grant(self, r: Request, tokens: int, reserve: int = 0) -> bool:
+        """Gives r the blocks for `tokens` cached tokens, if that leaves `reserve` blocks free."""
         n = -(-tokens // self.kv.block_size)
-        try:
-            ids = self.kv.allocate(n * self.head_groups)
-        except KVFull:
+        if self.kv.free_blocks - n * self.head_groups < reserve:
             return False
+        ids = self.kv.allocate(n * self.head_groups)
         self.tables[r.id] = [ids[i * n:(i + 1) * n] for i in range(self.head_groups)]
         return True
 
@@ -202,7 +208,9 @@ class Engine:
                 for blocks in self.tables[r.id]:
                     self.kv.share(blocks)
                 self._shares[r.id] = owner
-            elif not self._grant(r, len(_prefill_tokens(r)) + 1):  # + the first decoded token's position
+            # + the first decoded token's position; and a block's room for each running row to grow into, so that
+            # what is admitted now does not preempt what runs at the next block boundary.
+            elif not self._grant(r, len(_prefill_tokens(r)) + 1, reserve=len(self.running) * self.head_groups):
                 break
             elif not r.output:
                 prefilling[tuple(r.prompt)] = r
@@ -274,10 +282,10 @@ class Engine:
 
     # -- the decode step ---------------------------------------------------------------------------------
     def decode_inputs(self, rows: list[Request]) -> tuple:
-        """The decode step's device inputs for the rows, padded to their (batch, context) bucket."""
+        """The decode step's device inputs for the rows, padded to their (batch, context) bucket for graphs."""
         device, n = self.model.device, len(rows)
-        b = bucket(n, self.capacity)
-        width = bucket(max(r.cached // self.kv.block_size + 1 for r in rows), self.blocks_per_seq)
+        width = max(r.cached // self.kv.block_size + 1 for r in rows)
+        b, width = (bucket(n, self.capacity), bucket(width, self.blocks_per_seq)) if self.static_shapes else (n, width)
         pad = b - n
         tokens = torch.tensor([r.output[-1] for r in rows] + [0] * pad, device=device)
         positions = torch.tensor([r.cached for r in rows] + [0] * pad, device=device)
@@ -293,7 +301,9 @@ class Engine:
 
     def _decode_step(self, rows: list[Request]) -> tuple[list[int], list[float]]:
         inputs = self.decode_inputs(rows)
-        run = self._captured(inputs) if self._cuda_graphs else self.decode_fn
+        # A graph holds NCCL collectives; gloo and shared memory run on the host, where no graph can hold them.
+        capturable = self._cuda_graphs and (self.tp == 1 or self.pool.backend == "nccl")
+        run = self._captured(inputs) if capturable else self.decode_fn
         tokens, logprobs = self._fetch(*run(*inputs))
         for r in rows:
             r.cached += 1

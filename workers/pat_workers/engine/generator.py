@@ -353,7 +353,7 @@ class LocalGenerator:
             self._on_weights(*event[1:])
         if event[0] != "step":
             return None
-        _, group, batch, waiting, seconds, tokens, prefill_tokens, finished, running = event
+        _, group, batch, waiting, seconds, tokens, prefill_tokens, finished, running, preempted, kv_usage = event
         self._last_step[group] = (waiting, {rid for rid, _ in running})
         context = 0
         for rid, generated in running:
@@ -361,7 +361,7 @@ class LocalGenerator:
                 self._generated[rid] = generated
                 context += len(self._requests[rid].prompt) + generated
         self.metrics.on_step(group, batch, len(running), waiting, seconds, tokens, context,
-                             sum(generated for _, generated in running))
+                             sum(generated for _, generated in running), preempted, kv_usage)
         for r in finished:
             if r.id in self._where:
                 self._finished.append(r)

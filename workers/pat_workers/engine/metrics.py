@@ -28,6 +28,10 @@ class EngineMetrics:
         self.waiting = Gauge(names.GENERATOR_REQUESTS_WAITING, "Requests queued, per replica group", ["group"], registry=r)
         self.tp_size = Gauge(names.GENERATOR_TP_SIZE, "TP size of each replica group", ["group"], registry=r)
         self.tokens = Counter(names.GENERATOR_TOKENS, "Tokens generated", registry=r)
+        self.preemptions = Counter(names.GENERATOR_PREEMPTIONS, "Requests preempted back to the queue (the KV cache "
+                                   "was full), to be recomputed", registry=r)
+        self.kv_usage = Gauge(names.GENERATOR_KV_CACHE_USAGE, "Fraction of the KV cache's blocks in use, per replica "
+                              "group", ["group"], registry=r)
         self.step_seconds = Histogram(names.GENERATOR_STEP_SECONDS, "Decode step latency by TP size", ["tp"],
                                       buckets=STEP_BUCKETS, registry=r)
         self.regroups = Counter(names.GENERATOR_REGROUPS, "Regroups by outcome (applied | fallback)", ["outcome"],
@@ -94,10 +98,14 @@ class EngineMetrics:
         self.epoch.set(epoch)
 
     def on_step(self, group: tuple[int, ...], batch: int, running: int, waiting: int, seconds: float,
-                tokens: int, context_tokens: int = 0, generated_tokens: int = 0) -> None:
+                tokens: int, context_tokens: int = 0, generated_tokens: int = 0, preempted: int = 0,
+                kv_usage: float = 0.0) -> None:
         """batch: sequences the step decoded; running: those still decoding after it, which hold context_tokens
-        of KV and have generated generated_tokens so far."""
+        of KV and have generated generated_tokens so far; preempted: requests it sent back to the queue; kv_usage:
+        the fraction of the KV blocks in use after it."""
         label = group_label(group)
+        self.preemptions.inc(preempted)
+        self.kv_usage.labels(label).set(kv_usage)
         self.running.labels(label).set(running)
         self.waiting.labels(label).set(waiting)
         self.context_tokens.labels(label).set(context_tokens)

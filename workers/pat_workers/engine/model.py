@@ -179,7 +179,11 @@ class Transformer:
         write = torch.gather(tables, 2, (positions // bs)[:, None].expand(b, g, t)) * bs + (positions % bs)[:, None]
         read = (tables[..., None] * bs + offsets).flatten(2)  # [B, g, L]: every slot of the rows' blocks
         length = read.shape[-1]
-        mask = (torch.arange(length, device=tokens.device) <= positions[..., None]).unsqueeze(1)  # [B, 1, T, L]
+        # The query heads that share a KV head attend as rows of one query [B, kv heads, rep x T, d]: K and V are not
+        # repeated per query head, and kernels that take a mask but not GQA (memory-efficient attention) apply.
+        rep = shard.num_heads // shard.num_kv_heads
+        mask = torch.arange(length, device=tokens.device) <= positions[..., None]  # [B, T, L]
+        mask = mask[:, None, None].expand(b, 1, rep, t, length).reshape(b, 1, rep * t, length)
         rows = torch.arange(b, device=tokens.device)[:, None]
         x = self.w["model.embed_tokens.weight"][tokens]
         for i, layer in enumerate(shard.layers):
@@ -190,8 +194,10 @@ class Transformer:
             values[write] = v.view(b, t, g, -1, d).transpose(1, 2)
             k_all = keys[read].transpose(2, 3).reshape(b, shard.num_kv_heads, length, d)
             v_all = values[read].transpose(2, 3).reshape(b, shard.num_kv_heads, length, d)
-            attn = F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask, enable_gqa=True)
-            out = F.linear(attn.transpose(1, 2).reshape(b, t, shard.num_heads * d), layer.wo)
+            q = q.view(b, t, shard.num_kv_heads, rep, d).permute(0, 2, 3, 1, 4).reshape(b, shard.num_kv_heads, -1, d)
+            attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)  # [B, kv heads, rep x T, d]
+            attn = attn.view(b, shard.num_kv_heads, rep, t, d).permute(0, 3, 1, 2, 4)
+            out = F.linear(attn.reshape(b, t, shard.num_heads * d), layer.wo)
             x = x + self._reduced(comm, out, layer.bo)
             x = x + self._reduced(comm, mlp(layer, rms_norm(x, layer.post_norm, cfg.rms_norm_eps)), layer.b_down)
         if not all_positions:

@@ -167,7 +167,7 @@ def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_m
             batches = sorted({b for b in opts.profile_batches or _powers_of_two(capacity) if b <= capacity})
             engine = Engine(model, pool, max_batch=opts.max_batch, max_seq=opts.max_seq, kv_blocks=kv_blocks,
                             block_size=opts.block_size)
-            costs = measure(model, pool, tp_sizes, batches, engine.kv)
+            costs = measure(model, pool, tp_sizes, batches, engine.kv, engine.static_shapes)
             events.put(("ready", rank, costs if rank == 0 else None, tp_sizes))
             _serve(engine, costs, opts, commands[rank], events)
         pool.close()
@@ -214,7 +214,8 @@ def _serve(engine: Engine, costs, opts: EngineOptions, commands, events) -> None
             stats = engine.step()
             if engine.is_leader:
                 events.put(("step", engine.group, stats.batch, len(engine.waiting), stats.seconds, stats.tokens,
-                            stats.prefill_tokens, stats.finished, [(r.id, len(r.output)) for r in engine.running]))
+                            stats.prefill_tokens, stats.finished, [(r.id, len(r.output)) for r in engine.running],
+                            stats.preempted, engine.kv_usage))
 
 
 def _receive_weights(engine: Engine, receivers: dict, version: int, address: str, world: int, rank_offset: int,

@@ -192,14 +192,16 @@ def _move_kv(engine: Engine, comm, region: Group, moves: dict[Group, list[_Move]
                     kept.add((r.id, h % per_old))
                 elif m != j:
                     transfers.setdefault((m, j), []).extend((r, mv.source, g, h, b) for b in range(blocks))
-    leaving: set[int] = set()  # blocks sent in a round: released then, not again at the end
+    leaving: dict[tuple[str, int], int] = {}  # (request, local head group) -> its first blocks, released as sent
     for (m, _), items in transfers.items():
         if m == rank:
-            leaving |= {old_tables[r.id][h % (max_tp // len(src))][b] for r, src, _, h, b in items}
+            for r, src, _, h, b in items:
+                key = (r.id, h % (max_tp // len(src)))
+                leaving[key] = max(leaving.get(key, 0), b + 1)
     for rid, lists in old_tables.items():  # first free what neither stays nor leaves: room for what arrives
         for i, blocks in enumerate(lists):
             if (rid, i) not in kept:
-                kv.release([b for b in blocks if b not in leaving])
+                kv.release(blocks[leaving.get((rid, i), 0):])
     per_round = max(1, int(REGROUP_IN_FLIGHT / 2 * kv.num_blocks / max(len(region) - 1, 1)))  # sent, and received
     rounds = max((-(-len(items) // per_round) for items in transfers.values()), default=0)
     sent = buffered = 0

@@ -74,7 +74,9 @@ class SamplingBatch:
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
             seed=torch.tensor([p.seed for p in params], dtype=torch.int64, device=device),
-            sort_k=max(need, default=0),
+            # A power of two (at most the vocabulary): any width a row needs or more gives it the same token, and
+            # a captured decode step is one graph per width.
+            sort_k=min(1 << (max(need, default=0) - 1).bit_length(), vocab) if any(need) else 0,
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:

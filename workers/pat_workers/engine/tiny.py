@@ -18,7 +18,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from pat_operator.fit import PRESETS, hf_config
+from .engine import Request
 from .loader import save_weights
+from .sampling import SamplingParams
 
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")
 
@@ -113,3 +115,23 @@ def make_tiny_model(path: str | Path, *, family: str = "llama", preset: str = "t
     save_weights(path, random_weights(cfg, seed, lm_head_gain=lm_head_gain), shards=shards)
     tokenizer.save(str(path / "tokenizer.json"))
     return path
+
+
+def mixed_requests(n: int = 12, seed: int = 0, longest: int = 100) -> list[Request]:
+    """Requests for the engine's equivalence checks (tests, bench/gpu_engine.py): mixed lengths (so that replicas run
+    dry at different times) and one long tail of `longest` tokens (so that a replica that ran dry still has a peer
+    decoding when a coordinator a few events behind reacts); half greedy, half sampled, some with top-k."""
+    out = []
+    for i in range(n):
+        sampled = i % 2 == 1
+        params = SamplingParams(max_tokens=longest if i == n - 1 else 8 + (i * 7) % 40, ignore_eos=True,
+                                seed=seed * 1000 + i, temperature=0.9 if sampled else 0.0,
+                                top_p=0.95 if sampled else 1.0, top_k=50 if i % 4 == 3 else 0)
+        out.append(Request(f"req-{i}", [256] + [(37 * i + 11 * j) % 250 for j in range(3 + i % 5)], params))
+    return out
+
+
+def fresh(requests: list[Request]) -> list[Request]:
+    """The same requests, nothing generated yet."""
+    return [Request(r.id, list(r.prompt), r.params) for r in requests]
+
