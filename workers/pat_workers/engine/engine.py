@@ -133,9 +133,9 @@ class Engine:
     def _grant(self, r: Request, tokens: int, reserve: int = 0) -> bool:
         """Gives r the blocks for `tokens` cached tokens, if that leaves `reserve` blocks free."""
         n = -(-tokens // self.kv.block_size)
-        if self.kv.free_blocks - n * self.head_groups < reserve:
+        if self.kv.free_blocks - self.blocks_for(tokens) < reserve:
             return False
-        ids = self.kv.allocate(n * self.head_groups)
+        ids = self.kv.allocate(self.blocks_for(tokens))
         self.tables[r.id] = [ids[i * n:(i + 1) * n] for i in range(self.head_groups)]
         return True
 
@@ -229,30 +229,30 @@ class Engine:
             if r.id not in self.tables and not self._grant(r, len(_prefill_tokens(r)) + 1):
                 self.running.remove(r)
                 self.waiting.appendleft(r)
-        pending = [r for r in pending if r.id in self.tables]
+        pending = [(r, _prefill_tokens(r)) for r in pending if r.id in self.tables]
         total = 0
         while pending:
-            run, width = [pending[0]], len(_prefill_tokens(pending[0]))
-            for r in pending[1:]:
-                if (len(run) + 1) * max(width, len(_prefill_tokens(r))) > PREFILL_TOKENS_PER_FORWARD:
-                    break
-                run.append(r)
-                width = max(width, len(_prefill_tokens(r)))
-            pending = pending[len(run):]
-            total += self._prefill(run, width)
+            width, n = len(pending[0][1]), 1
+            while n < len(pending) and (n + 1) * max(width, len(pending[n][1])) <= PREFILL_TOKENS_PER_FORWARD:
+                width = max(width, len(pending[n][1]))
+                n += 1
+            run, pending = pending[:n], pending[n:]
+            total += self._prefill([r for r, _ in run], [c for _, c in run], width)
         return total
 
-    def _prefill(self, run: list[Request], width: int) -> int:
+    def _prefill(self, run: list[Request], contexts: list[list[int]], width: int) -> int:
         device = self.model.device
-        contexts = [_prefill_tokens(r) for r in run]
         tokens = torch.tensor([c + [0] * (width - len(c)) for c in contexts], device=device)
         last = torch.tensor([len(c) - 1 for c in contexts], device=device)
         logits = self.model.forward(self.shard, self.comm, self.kv, tokens, torch.zeros_like(last),
                                     self._table_tensor(run, -(-width // self.kv.block_size)), last=last)
+        sharers: dict[str, list[Request]] = {}  # owner id -> the requests sharing its prefill
+        for s in self.running:
+            if s.id in self._shares:
+                sharers.setdefault(self._shares[s.id].id, []).append(s)
         rows, sampled = [], []
         for i, (r, c) in enumerate(zip(run, contexts)):
-            sharers = [s for s in self.running if self._shares.get(s.id) is r]
-            for s in [r, *sharers]:
+            for s in [r, *sharers.get(r.id, ())]:
                 self._shares.pop(s.id, None)
                 s.cached = len(c)
                 if not s.output:

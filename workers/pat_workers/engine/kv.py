@@ -29,7 +29,6 @@ class PagedKV:
         self.block_size, self.heads_per_block = block_size, heads_per_block
         self.data = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, heads_per_block, cfg.head_dim,
                                 dtype=dtype, device=device)
-        self.refs = [0] * num_blocks
         self.reset()
 
     @staticmethod
@@ -84,6 +83,6 @@ class PagedKV:
 
     def tables_for(self, batch: int, tokens: int, groups: int) -> torch.Tensor:
         """Allocates `batch` sequences of `tokens` tokens and `groups` head groups: their tables [B, g, blocks]
-        (profiling and tests)."""
+        (for callers of Transformer.forward outside the engine, such as the parity tests)."""
         n = -(-tokens // self.block_size)
         return torch.tensor(self.allocate(batch * groups * n), device=self.data.device).view(batch, groups, n)
