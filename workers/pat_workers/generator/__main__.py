@@ -1,8 +1,9 @@
-"""`python -m pat_workers.generator` (also `pat generator`): one generator pod.
+"""`python -m pat_workers.generator` (also `pat generator`): one generator pod, of this project's engine
+(--engine pat: coordinator.py) or of vLLM (--engine vllm: vllm.py), behind the same pod API.
 
-Prints 'listening on http://HOST:PORT' once it accepts connections; /readyz answers 200 once the engine ranks
-have loaded the model and measured their costs. Exits 0 on SIGTERM, 1 if an engine rank or the coordinator
-fails (so that a supervisor restarts the gang), 2 on bad arguments.
+Prints 'listening on http://HOST:PORT' once it accepts connections; /readyz answers 200 once the engines have
+loaded the model (and, engine pat, measured their costs). Exits 0 on SIGTERM, 1 if an engine or the coordinator
+fails (so that a supervisor restarts the gang; the last line on stderr says why), 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pat generator", description="one generator pod: HTTP coordinator + engine "
                                  "ranks (one per GPU, else one per CPU core)")
+    ap.add_argument("--engine", choices=("pat", "vllm"), default="pat", help="pat: this project's engine (adaptive "
+                    "TP); vllm: vLLM engines at a fixed TP")
     ap.add_argument("--model", required=True, help="model directory: config.json, *.safetensors, tokenizer.json")
     ap.add_argument("--ranks", type=int, required=True, help="engine ranks (a power of two)")
     ap.add_argument("--host", default="0.0.0.0")
@@ -41,6 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp-sizes", help="comma-separated TP sizes plans may use, e.g. 1,2 (default: all)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--comm-backend", choices=("auto", "shm", "gloo", "nccl"), default="auto")
+    vllm = ap.add_argument_group("--engine vllm")
+    vllm.add_argument("--tensor-parallel-size", type=int, default=1, help="TP of each vLLM engine: the pod runs "
+                      "ranks / this many engines")
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    vllm.add_argument("--max-model-len", type=int, default=512)
+    vllm.add_argument("--enforce-eager", action="store_true")
+    vllm.add_argument("--vllm-arg", action="append", default=[], help="a further `vllm serve` flag, e.g. "
+                      "--vllm-arg=--max-num-seqs=128 (repeat it)")
+    vllm.add_argument("--vllm-python", default=os.environ.get("PAT_VLLM_PYTHON", sys.executable),
+                      help="the interpreter that has vLLM (default: env PAT_VLLM_PYTHON, else this one)")
     args = ap.parse_args(argv)
     try:
         token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("PAT_JOB_TOKEN", "")
@@ -51,23 +64,32 @@ def main(argv: list[str] | None = None) -> int:
                  "/healthz, /readyz and /metrics needs it")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Imported once the arguments are good: --help and argument errors answer without loading torch.
-    from ..engine.rank import EngineOptions
-    from .coordinator import Coordinator, PodConfig
-    from .server import serve
+    from .server import make_app, serve
 
     try:
-        options = EngineOptions(max_batch=args.max_batch, max_seq=args.max_seq, dtype=args.dtype,
-                                migration=args.migration, comm_backend=args.comm_backend, device=args.device,
-                                memory_utilization=args.memory_utilization, kv_cache_bytes=args.kv_cache_bytes)
-        tp_sizes = tuple(int(t) for t in args.tp_sizes.split(",")) if args.tp_sizes else None
-        coordinator = Coordinator(PodConfig(args.model, args.ranks, options, args.controller, args.margin,
-                                            args.cooldown_steps, args.profile, args.tokenizer, tp_sizes))
+        if args.engine == "vllm":
+            from .vllm import VllmConfig, VllmPod, make_vllm_app
+
+            device = "cuda" if args.device == "cuda" else "cpu"
+            pod = VllmPod(VllmConfig(args.model, args.ranks, args.tensor_parallel_size, args.gpu_memory_utilization,
+                                     args.max_model_len, args.dtype, device, args.enforce_eager, args.tokenizer,
+                                     tuple(args.vllm_arg), args.vllm_python))
+            app = make_vllm_app(pod, token)
+        else:
+            from ..engine.rank import EngineOptions
+            from .coordinator import Coordinator, PodConfig
+
+            options = EngineOptions(max_batch=args.max_batch, max_seq=args.max_seq, dtype=args.dtype,
+                                    migration=args.migration, comm_backend=args.comm_backend, device=args.device,
+                                    memory_utilization=args.memory_utilization, kv_cache_bytes=args.kv_cache_bytes)
+            tp_sizes = tuple(int(t) for t in args.tp_sizes.split(",")) if args.tp_sizes else None
+            pod = Coordinator(PodConfig(args.model, args.ranks, options, args.controller, args.margin,
+                                        args.cooldown_steps, args.profile, args.tokenizer, tp_sizes))
+            app = make_app(pod, token)
     except (OSError, ValueError) as e:  # a bad model directory, option or profile file
         print(f"pat generator: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(coordinator, token, args.host, args.port,
-                             announce=lambda line: print(line, flush=True)))
-
+    return asyncio.run(serve(pod, app, args.host, args.port, announce=lambda line: print(line, flush=True)))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,6 +36,7 @@ from ..engine.loader import load_tokenizer
 from ..engine.rank import EngineOptions
 from ..engine.sampling import SamplingParams
 from ..weightsync import parse_address
+from .errors import Conflict, Invalid, NotFound, PodError, Unavailable
 
 log = logging.getLogger("pat.generator")
 
@@ -43,28 +44,6 @@ IDLE_POLL_SECONDS = 0.02  # the longest the thread waits for a rank event before
 STATE_PERIOD_SECONDS = 0.05  # during a batch, `state` is republished at most this often (and at every command)
 KEPT_BATCHES = 8  # finished batches whose completions stay fetchable
 LENGTH_HISTORY = 4096  # response lengths of earlier batches the planner's length predictor learns from
-
-
-class PodError(Exception):
-    """A request the pod refuses; `status` is its HTTP status code. Nothing changed."""
-
-    status = 500
-
-
-class Conflict(PodError):
-    status = 409
-
-
-class Invalid(PodError):
-    status = 422
-
-
-class NotFound(PodError):
-    status = 404
-
-
-class Unavailable(PodError):
-    status = 503
 
 
 @dataclass(frozen=True)
@@ -226,7 +205,7 @@ class Coordinator:
                                waiting=occupancy.get(g, (0, 0))[1]) for g in layouts.groups(self.gen.layout)],
             policy_version=self.gen.policy_version, batch_id=self._batch.batch_id if self._batch else None,
             batch_done=not self._generating(), controller=self.config.controller, world=self.gen.world,
-            dtype=self.config.options.dtype)
+            weight_receivers=self.gen.world, dtype=self.config.options.dtype)
 
     def _generating(self) -> bool:
         return self._batch is not None and not self._batch.done
@@ -354,16 +333,10 @@ class Coordinator:
         batch with a request the engine can never generate (a prompt of maxSeq tokens or more, a token outside the
         vocabulary) is refused whole (422) even while another batch generates, which goes on: waiting would not
         help it."""
-        first: dict[str, int] = {}
-        for i, r in enumerate(rollouts.requests):
-            if r.id in first:
-                raise Invalid(f"requests.{i}.id: {r.id!r} repeats requests.{first[r.id]}.id; ids must be unique "
-                              f"within a batch")
-            first[r.id] = i
         requests = [self._request(r) for r in rollouts.requests]
         # The engine also refuses the id of an unfinished request: from a busy pod that is the 409 below instead
         # (e.g. the same batch sent again while it generates).
-        if not (self._generating() and not first.keys().isdisjoint(self._batch.ids)):
+        if not (self._generating() and not {r.id for r in requests}.isdisjoint(self._batch.ids)):
             try:
                 self.gen.check(requests)
             except ValueError as e:

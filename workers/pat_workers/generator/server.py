@@ -1,4 +1,5 @@
-"""The generator pod's HTTP API: thin aiohttp handlers over the Coordinator.
+"""The generator pod's HTTP API: thin aiohttp handlers over the Coordinator (engine pat); `pod_app` and `serve`
+also carry the vLLM pod's (vllm.py).
 
 aiohttp because kopf, the operator's framework, is built on it: the operator's client and the pods share one
 maintained async HTTP stack. The payloads are the pydantic models of pat_operator.podapi, whose docstring lists
@@ -12,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import signal
+import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -20,7 +23,10 @@ from pydantic import BaseModel, ValidationError
 
 from pat_operator.podapi import RegroupPlan, RolloutBatch, WeightUpdate
 
-from .coordinator import Coordinator, Invalid, PodError
+from .errors import Invalid, PodError
+
+if TYPE_CHECKING:  # the vLLM pod serves through this module without loading the engine's torch code
+    from .coordinator import Coordinator
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 MAX_WAIT_SECONDS = 60.0  # the longest a GET /v1/rollouts/{id}?wait= holds the connection
@@ -75,7 +81,8 @@ def _wait_seconds(raw: str | None) -> float:
     return min(max(wait, 0.0), MAX_WAIT_SECONDS)
 
 
-def make_app(coordinator: Coordinator, token: str) -> web.Application:
+def pod_app(token: str, routes: list[web.RouteDef]) -> web.Application:
+    """An app of `routes` behind the pod's error handling and the job token (all but OPEN_PATHS)."""
     expected = f"Bearer {token}".encode()
 
     @web.middleware
@@ -96,6 +103,12 @@ def make_app(coordinator: Coordinator, token: str) -> web.Application:
             return _error(401, "missing or wrong token: send 'Authorization: Bearer <the job's token>'")
         return await handler(request)
 
+    app = web.Application(middlewares=[errors, authenticate], client_max_size=MAX_BODY_BYTES)
+    app.add_routes(routes)
+    return app
+
+
+def make_app(coordinator: Coordinator, token: str) -> web.Application:
     c = coordinator
 
     async def submit(request: web.Request) -> web.Response:
@@ -137,21 +150,27 @@ def make_app(coordinator: Coordinator, token: str) -> web.Application:
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(c.gen.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app = web.Application(middlewares=[errors, authenticate], client_max_size=MAX_BODY_BYTES)
-    app.add_routes([
+    return pod_app(token, [
         web.post("/v1/rollouts", submit), web.get("/v1/rollouts/{batch_id}", batch_status),
         web.post("/v1/regroup", regroup), web.post("/v1/weights", weights), web.get("/v1/state", state),
         web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics),
     ])
-    return app
 
 
-async def serve(coordinator: Coordinator, token: str, host: str, port: int,
-                announce: Callable[[str], None] = print) -> int:
-    """Serves until SIGTERM/SIGINT (then 0) or until the coordinator fails, e.g. a rank died (then 1).
-    Listens first (`announce` gets 'listening on http://HOST:PORT'), then starts the ranks: /readyz says when
-    they are up."""
-    runner = web.AppRunner(make_app(coordinator, token), access_log=None, shutdown_timeout=SHUTDOWN_SECONDS)
+class Pod(Protocol):
+    """What `serve` runs: the Coordinator, or the vLLM pod."""
+    failure: str | None
+
+    def start(self, on_exit: Callable[[], None]) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+async def serve(pod: Pod, app: web.Application, host: str, port: int, announce: Callable[[str], None] = print) -> int:
+    """Serves until SIGTERM/SIGINT (then 0) or until the pod fails, e.g. a rank died (then 1; the failure is the
+    last line on stderr, which Kubernetes keeps as the container's termination message). Listens first
+    (`announce` gets 'listening on http://HOST:PORT'), then starts the engines: /readyz says when they are up."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_SECONDS)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -159,11 +178,14 @@ async def serve(coordinator: Coordinator, token: str, host: str, port: int,
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    coordinator.start(on_exit=lambda: loop.call_soon_threadsafe(stop.set))
+    pod.start(on_exit=lambda: loop.call_soon_threadsafe(stop.set))
     announce(f"listening on http://{host}:{runner.addresses[0][1]}")
     try:
         await stop.wait()
     finally:
-        await loop.run_in_executor(None, coordinator.stop)
+        await loop.run_in_executor(None, pod.stop)
         await runner.cleanup()
-    return 1 if coordinator.failure else 0
+    if pod.failure:
+        print(f"pat generator: {pod.failure}", file=sys.stderr, flush=True)
+        return 1
+    return 0

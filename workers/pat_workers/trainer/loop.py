@@ -252,7 +252,8 @@ class Trainer:
                 scores.append(score)
                 rewards.append(reward)
                 rollouts.append(Rollout(prompt_ids, c.token_ids, c.logprobs, reward, 0.0))
-                record.append({"id": f"{index}.{g}", "tokens": c.token_ids, "reward": reward})
+                record.append({"id": f"{index}.{g}", "prompt": prompt_ids, "tokens": c.token_ids,
+                               "logprobs": c.logprobs, "policy_version": c.policy_version, "reward": reward})
         advantages = grpo.group_advantages(torch.tensor(rewards), alg.samples_per_prompt,
                                            scale_by_std=alg.scale_advantages_by_std)
         for r, a in zip(rollouts, advantages.tolist()):
@@ -296,10 +297,12 @@ class Trainer:
             for _ in weights:
                 pass
             return
-        ranks = [s.world for s in states]
+        ranks = [s.weight_receivers for s in states]
         world = 1 + sum(ranks)
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # A vLLM pod receives into host memory (its GPUs are its engines'): then the whole group is gloo.
+        gpu_receivers = all(s.engine == "pat" for s in states)
+        backend = "nccl" if self.device.type == "cuda" and gpu_receivers else "gloo"
         if self.sender is None:  # hosts the store now (it does not wait for the members)
             self.sender = WeightSender(self.weight_address, world, backend=backend)
         self._pods(lambda c, i: c.update_weights(WeightUpdate(version=version, address=self.sender.address,

@@ -1,0 +1,90 @@
+"""The vLLM pod's pure parts: the engines' command lines and environments, the completion mapping, the merged
+metrics and the failure message taken from vLLM's output."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pat_operator.podapi import RolloutRequest, Sampling
+from pat_workers.generator.vllm import (VllmConfig, _Families, completion, completion_body, engine_command,
+                                        engine_env, last_error, relabel)
+
+
+def test_cpu_engines_bind_their_ranks_to_disjoint_cores_and_gpu_engines_get_their_devices():
+    two_tp1 = VllmConfig("/m", ranks=2, tp=1)
+    assert [engine_env(two_tp1, i, "k", {}, [0, 1])["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)] == ["0", "1"]
+    tp2 = VllmConfig("/m", ranks=2, tp=2)
+    assert engine_env(tp2, 0, "k", {}, [0, 1])["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    wide = VllmConfig("/m", ranks=4, tp=2)
+    cpus = list(range(8, 16))
+    assert [engine_env(wide, i, "k", {}, cpus)["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)] == ["8-9|10-11",
+                                                                                              "12-13|14-15"]
+    # Fewer cores than ranks: shared round robin, never an empty binding.
+    assert [engine_env(wide, i, "k", {}, [0, 1])["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)] == ["0|1", "0|1"]
+    env = engine_env(two_tp1, 0, "key", {"VLLM_CPU_KVCACHE_SPACE": "4", "HOME": "/h"}, [0, 1])
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["HOME"] == "/h"  # the pod's own settings win
+    assert env["VLLM_API_KEY"] == "key" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    gpus = VllmConfig("/m", ranks=4, tp=2, device="cuda")
+    assert [engine_env(gpus, i, "k", {}, [0])["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == ["0,1", "2,3"]
+    assert engine_env(gpus, 1, "k", {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, [0])["CUDA_VISIBLE_DEVICES"] == "6,7"
+
+
+def test_the_engine_command_listens_on_its_socket_and_carries_the_users_flags_last():
+    config = VllmConfig("/models/m", ranks=2, tp=2, max_model_len=1024, dtype="bfloat16", device="cuda",
+                        gpu_memory_utilization=0.8, enforce_eager=True, extra_args=("--max-num-seqs=64",),
+                        python="/venv/bin/python")
+    argv = engine_command(config, "/run/e0.sock")
+    assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = {flag: argv[i + 1] for i, flag in enumerate(argv[:-1]) if flag.startswith("--")}
+    assert flags["--uds"] == "/run/e0.sock" and flags["--tensor-parallel-size"] == "2"
+    assert flags["--gpu-memory-utilization"] == "0.8" and flags["--max-model-len"] == "1024"
+    assert "--port" not in argv and "--host" not in argv and "--api-key" not in argv  # no TCP, key in the env
+    assert argv[-2:] == ["--enforce-eager", "--max-num-seqs=64"]
+
+
+def test_a_rollout_request_maps_to_a_completion_and_back():
+    request = RolloutRequest(id="r", prompt_token_ids=[1, 2, 3], sampling=Sampling(max_tokens=4, temperature=0.7,
+                             top_k=5, seed=9, stop_token_ids=[7]))
+    body = completion_body(request)
+    assert body["prompt"] == [1, 2, 3] and body["top_k"] == 5 and body["seed"] == 9
+    assert body["logprobs"] == 0 and body["return_token_ids"] and body["stop_token_ids"] == [7]
+    assert "top_k" not in completion_body(RolloutRequest(id="r", prompt="hi"))  # 0: no top-k
+    reply = {"choices": [{"text": "ab", "token_ids": [4, 7], "finish_reason": "stop",
+                          "logprobs": {"token_logprobs": [-0.5, -1.5]}}]}
+    c = completion(request, reply, 3)
+    assert (c.token_ids, c.logprobs, c.finish_reason, c.policy_version, c.text) == ([4, 7], [-0.5, -1.5], "stop",
+                                                                                     3, None)
+    reply["choices"][0]["finish_reason"] = "length"
+    assert completion(RolloutRequest(id="t", prompt="hi"), reply, 0).text == "ab"
+
+
+ENGINE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="policy"} %d
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="policy"} %d
+"""
+
+
+def test_the_engines_series_merge_into_one_exposition_labelled_by_engine():
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(relabel([ENGINE % (3, 100), ENGINE % (5, 40), ""])))
+    text = generate_latest(registry).decode()
+    assert text.count("# TYPE vllm:num_requests_running gauge") == 1  # one family, not one per engine
+    samples = {(s.name, s.labels["engine"]): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples == {("vllm:num_requests_running", "0"): 3, ("vllm:num_requests_running", "1"): 5,
+                       ("vllm:generation_tokens_total", "0"): 100, ("vllm:generation_tokens_total", "1"): 40}
+
+
+def test_the_failure_message_is_vllms_last_error_with_its_reason():
+    output = ["INFO starting\n", "Traceback (most recent call last):\n", "  File x\n",
+              "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n",
+              "  Value error, Model architectures ['X'] are not supported for now. " + "y" * 1000 + "\n",
+              "    For further information visit https://errors.pydantic.dev\n", "\n"]
+    message = last_error(output)
+    assert message.startswith("pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig "
+                              "Value error, Model architectures ['X'] are not supported")
+    assert "further information" not in message and len(message) < 700
+    assert last_error(["a\n", "killed\n"]) == "killed" and last_error([]) == "(no output)"

@@ -1,0 +1,549 @@
+"""A generator pod that runs vLLM (generator.engine: vllm): the pod API of pat_operator.podapi in front of
+ranks / tp vLLM OpenAI servers ("engines"), each at a fixed TP. The trainer and the operator cannot tell it from
+a pod of this project's engine, except that it never regroups (vLLM cannot change tensor_parallel_size at runtime).
+
+- Each engine is `python -m vllm.entrypoints.openai.api_server` of the interpreter that has vLLM, listening on a
+  Unix socket in a directory only this pod's user can enter, never on a TCP port: vLLM's development and RL
+  endpoints (collective_rpc, sleep, reload_weights), which this pod needs and which can run code, are outside
+  what vLLM's --api-key guards (only /v1, /v2, /inference paths). Its key is a random one of this pod's, passed
+  in the environment (argv is visible to `ps`).
+- Rollouts: each request is one /v1/completions call (token ids in; token ids and the sampled tokens'
+  log-probabilities out, at temperature 1 as this project's engine reports them), spread over the engines round
+  robin; vLLM batches them.
+- Weights: the pod is one member of the trainer's weight-sync group (pat_workers.weightsync, gloo): it receives
+  the full weights into host memory, writes them as safetensors into its scratch directory, and every engine
+  reloads them (collective_rpc reload_weights) and drops its prefix cache (KV of the old weights), between
+  batches. No volume is shared with the trainer. vLLM's NCCL weight transfer (init_weight_transfer_engine) would
+  skip the host copy on GPUs but needs vLLM in the trainer's image; it is not used (docs/limits.md).
+- /metrics: the pod's own pat_generator_* series, then every engine's vllm:* series labelled engine=<index>.
+- Anything else under /v1 (completions, chat, models, ...) is proxied to an engine behind the job's token, so
+  vLLM's OpenAI API stays usable against the current policy (model name "policy").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pat_operator import metric_names as names
+from pat_operator.podapi import (BatchStatus, Completion, GroupState, PodState, RolloutBatch, RolloutRequest,
+                                 WeightUpdate)
+
+from ..weightsync import parse_address
+from .errors import Conflict, Invalid, NotFound, Unavailable
+from .server import _payload, _reply, _wait_seconds, pod_app
+
+log = logging.getLogger("pat.generator.vllm")
+
+SERVED_MODEL = "policy"
+START_TIMEOUT_SECONDS = 600.0  # loading a large model from a network volume can take minutes
+LOG_TAIL_LINES = 40  # of each engine's output, kept for the failure message
+KEPT_BATCHES = 8
+PROXIED_HEADERS = ("Content-Type", "Accept")
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    model_dir: str
+    ranks: int
+    tp: int = 1
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int = 512
+    dtype: str = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"
+    enforce_eager: bool = False
+    tokenizer_dir: str | None = None
+    extra_args: tuple[str, ...] = ()
+    python: str = "python3"  # the interpreter that has vLLM
+
+    @property
+    def engines(self) -> int:
+        return self.ranks // self.tp
+
+
+def check(config: VllmConfig) -> None:
+    """ValueError naming the flag, before any process starts."""
+    if config.ranks < 1 or config.tp < 1 or config.ranks % config.tp:
+        raise ValueError(f"--tensor-parallel-size={config.tp} must divide --ranks={config.ranks} (the pod runs "
+                         f"ranks / TP engines)")
+    if not (Path(config.model_dir) / "config.json").is_file():
+        raise ValueError(f"--model {config.model_dir}: no config.json there (a Hugging Face model directory)")
+
+
+def engine_command(config: VllmConfig, socket: str) -> list[str]:
+    args = [config.python, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model_dir,
+            "--served-model-name", SERVED_MODEL, "--uds", socket, "--tensor-parallel-size", str(config.tp),
+            "--max-model-len", str(config.max_model_len), "--dtype", config.dtype, "--seed", "0",
+            "--disable-uvicorn-access-log"]
+    if config.device == "cuda":
+        args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    if config.enforce_eager:
+        args.append("--enforce-eager")
+    if config.tokenizer_dir:
+        args += ["--tokenizer", config.tokenizer_dir]
+    return args + list(config.extra_args)
+
+
+def engine_env(config: VllmConfig, index: int, key: str, base: dict[str, str], cpus: list[int]) -> dict[str, str]:
+    """The environment of engine `index`: its devices (GPUs, or on CPU the cores its TP ranks are bound to), its
+    API key, and the development endpoints the pod uses on its socket."""
+    env = {**base, "VLLM_API_KEY": key, "VLLM_SERVER_DEV_MODE": "1"}
+    if config.device == "cuda":
+        visible = base.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(config.ranks)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[index * config.tp:(index + 1) * config.tp])
+    else:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(_cores(cpus, config.ranks, index * config.tp + r)
+                                                    for r in range(config.tp))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes most of the host's memory
+    return env
+
+
+def _cores(cpus: list[int], ranks: int, rank: int) -> str:
+    """The cores of rank `rank` of `ranks`: an equal contiguous share, or one core shared round robin when the
+    pod has fewer cores than ranks."""
+    share = len(cpus) // ranks
+    if share == 0:
+        return str(cpus[rank % len(cpus)])
+    mine = cpus[rank * share:(rank + 1) * share]
+    return str(mine[0]) if len(mine) == 1 else f"{mine[0]}-{mine[-1]}"
+
+
+def completion_body(request: RolloutRequest) -> dict:
+    s = request.sampling
+    body = {"model": SERVED_MODEL, "prompt": request.prompt_token_ids if request.prompt is None else request.prompt,
+            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
+            "stop_token_ids": s.stop_token_ids, "ignore_eos": s.ignore_eos, "logprobs": 0,
+            "return_token_ids": True, "skip_special_tokens": False}
+    if s.top_k:
+        body["top_k"] = s.top_k
+    return body
+
+
+def completion(request: RolloutRequest, reply: dict, version: int) -> Completion:
+    choice = reply["choices"][0]
+    return Completion(id=request.id, token_ids=choice["token_ids"], logprobs=choice["logprobs"]["token_logprobs"],
+                      finish_reason="length" if choice["finish_reason"] == "length" else "stop",
+                      policy_version=version, text=choice["text"] if request.prompt is not None else None)
+
+
+def relabel(texts: list[str]) -> list:
+    """The engines' metric families merged into one set, each sample labelled with its engine's index."""
+    families: dict[str, object] = {}
+    for index, text in enumerate(texts):
+        for family in text_string_to_metric_families(text):
+            merged = families.setdefault(family.name, family)
+            if merged is not family:
+                merged.samples.extend(s._replace(labels={**s.labels, "engine": str(index)}) for s in family.samples)
+            else:
+                family.samples = [s._replace(labels={**s.labels, "engine": str(index)}) for s in family.samples]
+    return list(families.values())
+
+
+def last_error(lines: list[str], width: int = 300) -> str:
+    """vLLM's last error in its output: the line naming the exception and the indented lines under it (pydantic
+    puts the reason on the next one), each cut to `width` characters; else the last line."""
+    lines = [line.rstrip() for line in lines if line.strip()]
+    start = next((i for i in range(len(lines) - 1, -1, -1) if "Error" in lines[i]), None)
+    if start is None:
+        return lines[-1][:width] if lines else "(no output)"
+    parts = [lines[start]] + list(itertools.takewhile(lambda line: line[:1].isspace(), lines[start + 1:start + 2]))
+    return " ".join(part.strip()[:width] for part in parts)
+
+
+class _Families:
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+@dataclass
+class _Engine:
+    index: int
+    socket: str
+    process: subprocess.Popen
+    session: aiohttp.ClientSession
+    output: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LOG_TAIL_LINES))
+    in_flight: int = 0
+
+    def failure(self) -> str | None:
+        code = self.process.poll()
+        if code is None:
+            return None
+        return f"vLLM engine {self.index} exited with code {code}: {last_error(list(self.output))}"
+
+
+@dataclass
+class _Batch:
+    batch_id: str
+    policy_version: int
+    requests: list[RolloutRequest]
+    completions: dict[str, Completion] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def status(self) -> BatchStatus:
+        finished = len(self.completions) == len(self.requests)
+        return BatchStatus(batch_id=self.batch_id, done=finished, total=len(self.requests),
+                           finished=len(self.completions),
+                           completions=[self.completions[r.id] for r in self.requests] if finished else [])
+
+
+class VllmPod:
+    def __init__(self, config: VllmConfig, env: dict[str, str] | None = None):
+        check(config)
+        self.config = config
+        self.env = dict(os.environ if env is None else env)
+        self.failure: str | None = None
+        self.ready = False
+        self.policy_version = 0
+        self._key = secrets.token_hex(16)
+        self._dir = Path(tempfile.mkdtemp(prefix="pat-vllm-"))  # mode 0700: the sockets and the received weights
+        self._engines: list[_Engine] = []
+        self._batches: OrderedDict[str, _Batch] = OrderedDict()
+        self._batch: _Batch | None = None
+        self._receiving: int | None = None
+        self._receiver = None  # the weight-sync member, once the first update came
+        self._receiver_address: str | None = None
+        self._next = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+        self._stopping = threading.Event()
+        self._on_exit: Callable[[], None] | None = None
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.m_version = Gauge(names.GENERATOR_POLICY_VERSION, "Policy version of the weights the engines hold",
+                               registry=r)
+        self.m_batches = Counter(names.GENERATOR_BATCHES, "Rollout batches completed", registry=r)
+        self.m_batch_open = Gauge(names.GENERATOR_BATCH_OPEN, "1 while a rollout batch is generating", registry=r)
+        self.m_tokens = Counter(names.GENERATOR_TOKENS, "Tokens generated", registry=r)
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def start(self, on_exit: Callable[[], None]) -> None:
+        self._on_exit = on_exit
+        self._loop = asyncio.get_running_loop()
+        self._spawn(self._run())
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ends the engines (SIGTERM: vLLM shuts down its own workers; SIGKILL after `timeout`) and removes the
+        scratch directory. Runs off the event loop (serve's executor), which closes the engines' HTTP sessions
+        meanwhile."""
+        self._stopping.set()
+        for e in self._engines:
+            asyncio.run_coroutine_threadsafe(e.session.close(), self._loop).result(10)
+            e.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for e in self._engines:
+            try:
+                e.process.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                e.process.kill()
+                e.process.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def _run(self) -> None:
+        try:
+            await self._start_engines()
+            self.ready = True
+            log.info("ready: %d vLLM engine(s) of TP=%d", self.config.engines, self.config.tp)
+            while not self._stopping.is_set():
+                for e in self._engines:
+                    if (problem := e.failure()) is not None:
+                        raise RuntimeError(problem)
+                await asyncio.sleep(0.5)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not self._stopping.is_set():
+                self.fail(str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}")
+
+    def fail(self, why: str) -> None:
+        if self.failure is None:
+            self.failure = why
+            self.ready = False
+            log.error("pod failed: %s", why)
+            for batch in self._batches.values():
+                batch.done.set()  # long polls answer now (503)
+            if self._on_exit:
+                self._on_exit()
+
+    async def _start_engines(self) -> None:
+        cpus = sorted(os.sched_getaffinity(0))
+        for i in range(self.config.engines):
+            socket = str(self._dir / f"engine-{i}.sock")
+            # In the pod's process group (no new session): whatever ends the pod's processes ends the engines too.
+            process = subprocess.Popen(engine_command(self.config, socket),
+                                       env=engine_env(self.config, i, self._key, self.env, cpus),
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self._dir)
+            engine = _Engine(i, socket, process, aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=socket), headers={"Authorization": f"Bearer {self._key}"},
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)))
+            threading.Thread(target=self._forward, args=(engine,), daemon=True).start()
+            self._engines.append(engine)
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        for e in self._engines:
+            while not await self._healthy(e):
+                if (problem := e.failure()) is not None:
+                    raise RuntimeError(problem)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM engine {e.index} not up after {START_TIMEOUT_SECONDS:.0f} s")
+                await asyncio.sleep(0.5)
+
+    @staticmethod
+    def _forward(engine: _Engine) -> None:
+        """Copies an engine's output to the pod's log and keeps its tail for the failure message."""
+        for line in engine.process.stdout:
+            engine.output.append(line)
+            print(f"[vllm {engine.index}] {line}", end="", file=sys.stderr, flush=True)
+
+    @staticmethod
+    async def _healthy(e: _Engine) -> bool:
+        try:
+            async with e.session.get("http://engine/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _check_up(self) -> None:
+        if self.failure:
+            raise Unavailable(self.failure)
+        if not self.ready:
+            raise Unavailable("the pod is starting: its vLLM engines load the model; retry once /readyz answers 200")
+
+    # -- the pod API ----------------------------------------------------------------------------------------
+    @property
+    def state(self) -> PodState:
+        groups = [GroupState(ranks=list(range(i * self.config.tp, (i + 1) * self.config.tp)), tp=self.config.tp,
+                             running=e.in_flight, waiting=0) for i, e in enumerate(self._engines)]
+        return PodState(ready=self.ready, layout=[self.config.tp] * self.config.engines, epoch=0, groups=groups,
+                        policy_version=self.policy_version, batch_id=self._batch.batch_id if self._batch else None,
+                        batch_done=not self._generating(), controller="pod", world=self.config.ranks,
+                        weight_receivers=1, engine="vllm", dtype=self.config.dtype)
+
+    def _generating(self) -> bool:
+        return self._batch is not None and not self._batch.done.is_set()
+
+    def _refuse_while_busy(self, what: str) -> None:
+        if self._generating():
+            b = self._batch
+            raise Conflict(f"{what}: batch {b.batch_id!r} is generating ({len(b.completions)}/{len(b.requests)} "
+                           f"done); wait until GET /v1/rollouts/{b.batch_id} reports done")
+        if self._receiving is not None:
+            raise Conflict(f"{what}: the pod is receiving the weights of version {self._receiving}; retry once "
+                           f"GET /v1/state shows that policy_version")
+
+    def submit(self, rollouts: RolloutBatch) -> BatchStatus:
+        self._check_up()
+        for i, r in enumerate(rollouts.requests):
+            if r.prompt_token_ids is not None and len(r.prompt_token_ids) >= self.config.max_model_len:
+                raise Invalid(f"requests.{i}.prompt_token_ids: {len(r.prompt_token_ids)} tokens leave no room to "
+                              f"generate within maxModelLen={self.config.max_model_len}")
+        self._refuse_while_busy("a new batch")
+        if rollouts.policy_version != self.policy_version:
+            raise Conflict(f"policy_version: the batch asks for version {rollouts.policy_version}, the pod holds "
+                           f"version {self.policy_version}; send the weights first (POST /v1/weights) or ask for "
+                           f"{self.policy_version}")
+        batch = _Batch(rollouts.batch_id, rollouts.policy_version, list(rollouts.requests))
+        self._batches.pop(batch.batch_id, None)
+        self._batches[batch.batch_id] = self._batch = batch
+        while len(self._batches) > KEPT_BATCHES + 1:
+            self._batches.popitem(last=False)
+        self.m_batch_open.set(1)
+        for r in batch.requests:
+            self._spawn(self._generate(batch, r, self._engines[next(self._next) % len(self._engines)]))
+        log.info("batch %s: %d requests, policy version %d", batch.batch_id, len(batch.requests),
+                 batch.policy_version)
+        return batch.status()
+
+    async def _generate(self, batch: _Batch, request: RolloutRequest, engine: _Engine) -> None:
+        engine.in_flight += 1
+        try:
+            async with engine.session.post("http://engine/v1/completions", json=completion_body(request)) as resp:
+                reply = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise RuntimeError(f"vLLM engine {engine.index} refused request {request.id}: HTTP {resp.status}"
+                                       f": {(reply.get('error') or {}).get('message', reply)}")
+            done = completion(request, reply, batch.policy_version)
+        except (aiohttp.ClientError, OSError, RuntimeError, KeyError) as e:
+            # vLLM refused a request the pod accepted, or an engine died: the batch cannot complete here, so the
+            # pod fails and its gang restarts from the last checkpoint.
+            self.fail(str(e) if isinstance(e, RuntimeError) else f"vLLM engine {engine.index}: "
+                      f"{type(e).__name__}: {e}")
+            return
+        finally:
+            engine.in_flight -= 1
+        batch.completions[request.id] = done
+        self.m_tokens.inc(len(done.token_ids))
+        if len(batch.completions) == len(batch.requests):
+            batch.done.set()
+            self.m_batch_open.set(0)
+            self.m_batches.inc()
+
+    def status(self, batch_id: str) -> BatchStatus:
+        if batch_id not in self._batches:
+            raise NotFound(f"batch {batch_id!r} is unknown here: the pod keeps the open batch and the last "
+                           f"{KEPT_BATCHES}")
+        return self._batches[batch_id].status()
+
+    async def wait(self, batch_id: str, seconds: float) -> BatchStatus:
+        self.status(batch_id)
+        try:
+            await asyncio.wait_for(self._batches[batch_id].done.wait(), seconds)
+        except TimeoutError:
+            pass
+        if self.failure:
+            raise Unavailable(self.failure)
+        return self.status(batch_id)
+
+    def update_weights(self, update: WeightUpdate) -> PodState:
+        self._check_up()
+        self._refuse_while_busy("new weights")
+        if update.version <= self.policy_version:
+            raise Conflict(f"version: {update.version} is not newer than the pod's policy_version "
+                           f"{self.policy_version}")
+        try:
+            parse_address(update.address)
+        except ValueError as e:
+            raise Invalid(f"address: {e}") from None
+        if update.rank_offset >= update.world:
+            raise Invalid(f"rank_offset: {update.rank_offset} is outside a weight-sync world of {update.world}")
+        if update.backend != "gloo":
+            raise Invalid(f"backend: {update.backend!r}; a vLLM pod receives the weights in host memory (gloo) and "
+                          f"its engines load them from there")
+        self._receiving = update.version
+        self._spawn(self._receive(update))
+        log.info("receiving the weights of version %d from %s (rank %d of %d)", update.version, update.address,
+                 update.rank_offset, update.world)
+        return self.state
+
+    async def _receive(self, update: WeightUpdate) -> None:
+        try:
+            path = await asyncio.to_thread(self._receive_files, update)
+            for e in self._engines:
+                await self._rpc(e, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+                await self._rpc(e, "/reset_prefix_cache", None)
+            self.policy_version = update.version
+            self.m_version.set(update.version)
+            log.info("weights of version %d loaded by %d engine(s)", update.version, len(self._engines))
+        except Exception as e:  # a half-received update leaves nothing coherent to serve: the gang restarts
+            self.fail(f"weight update to version {update.version} failed: {type(e).__name__}: {e}")
+        finally:
+            self._receiving = None
+
+    def _receive_files(self, update: WeightUpdate) -> str:
+        """Receives the trainer's broadcast into host tensors shaped like the model directory's, and writes them
+        where the engines load them from. Torch is imported here: the pod's API answers without it."""
+        import torch
+
+        from ..engine.loader import save_weights, weight_shapes
+        from ..weightsync import WeightReceiver
+
+        if self._receiver is None or (self._receiver.world, self._receiver_address) != (update.world, update.address):
+            self._receiver = WeightReceiver(update.address, update.world, update.rank_offset, backend="gloo")
+            self._receiver_address = update.address
+        dtype = getattr(torch, self.config.dtype)
+        shapes = weight_shapes(self.config.model_dir)
+        weights = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
+        self._receiver.receive(weights, update.version)
+        path = self._dir / "weights"
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir()
+        save_weights(path, weights)
+        return str(path)
+
+    @staticmethod
+    async def _rpc(e: _Engine, path: str, body: dict | None) -> None:
+        async with e.session.post(f"http://engine{path}", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"vLLM engine {e.index} {path}: HTTP {resp.status}: {await resp.text()}")
+
+    async def metrics(self) -> bytes:
+        texts = await asyncio.gather(*(self._metrics_of(e) for e in self._engines))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families(relabel(list(texts))))
+        return generate_latest(self.registry) + generate_latest(registry)
+
+    @staticmethod
+    async def _metrics_of(e: _Engine) -> str:
+        try:
+            async with e.session.get("http://engine/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                return await resp.text() if resp.status == 200 else ""
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return ""  # an engine starting or gone: its series are absent from this scrape
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's OpenAI API, streamed through; the engine with the fewest requests in flight answers."""
+        self._check_up()
+        engine = min(self._engines, key=lambda e: e.in_flight)
+        headers = {k: request.headers[k] for k in PROXIED_HEADERS if k in request.headers}
+        async with engine.session.request(request.method, f"http://engine{request.rel_url}", headers=headers,
+                                          data=await request.read()) as upstream:
+            response = web.StreamResponse(status=upstream.status, headers={
+                k: upstream.headers[k] for k in ("Content-Type",) if k in upstream.headers})
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+
+def make_vllm_app(pod: VllmPod, token: str) -> web.Application:
+    async def submit(request: web.Request) -> web.Response:
+        return _reply(pod.submit(await _payload(request, RolloutBatch)), 202)
+
+    async def batch_status(request: web.Request) -> web.Response:
+        return _reply(await pod.wait(request.match_info["batch_id"], _wait_seconds(request.query.get("wait"))))
+
+    async def regroup(request: web.Request) -> web.Response:
+        raise Conflict("this pod runs vLLM at a fixed TP (generator.engine: vllm): it cannot regroup")
+
+    async def weights(request: web.Request) -> web.Response:
+        return _reply(pod.update_weights(await _payload(request, WeightUpdate)), 202)
+
+    async def state(request: web.Request) -> web.Response:
+        return _reply(pod.state)
+
+    async def healthz(request: web.Request) -> web.Response:
+        if pod.failure:
+            raise Unavailable(pod.failure)
+        return web.json_response({"status": "ok"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        pod._check_up()
+        return web.json_response({"status": "ready"})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=await pod.metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return pod_app(token, [
+        web.post("/v1/rollouts", submit), web.get("/v1/rollouts/{batch_id}", batch_status),
+        web.post("/v1/regroup", regroup), web.post("/v1/weights", weights), web.get("/v1/state", state),
+        web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics),
+        web.route("*", "/v1/{tail:.*}", pod.proxy),
+    ])
