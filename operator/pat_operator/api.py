@@ -38,13 +38,18 @@ QUANTITY = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
 Quantity = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY,
                                                 "anyOf": [{"type": "integer"}, {"type": "string"}]})]
 GPU_RESOURCE = "nvidia.com/gpu"
+# The worker images (Dockerfile targets named like them): pat-worker for the trainer and engine pat's generator pods;
+# pat-worker-vllm, with vLLM (which pins its own torch), for the generator pods of engine vllm.
+WORKER_IMAGE = "ghcr.io/pat-rlhf/pat-worker:0.1.0"
+VLLM_WORKER_IMAGE = "ghcr.io/pat-rlhf/pat-worker-vllm:0.1.0"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
 class TinyModel(_Model):
     """A random-weight model built locally from a seed (no model hub is needed)."""
     family: Literal["llama", "qwen2", "qwen3"] = Field("llama", description="the architecture")
-    preset: str = Field("demo", description="a preset of pat_workers.engine.tiny: test, demo, bench, llama-8b")
+    preset: str = Field("demo", description="a preset of pat_workers.engine.tiny: test, demo, demo-vllm (heads "
+                        "vLLM's CPU kernels take), bench, llama-8b")
     seed: int = Field(0, description="the random seed of the weights (every pod builds the same model)")
     tokenizer: Literal["dataset", "bytes"] = Field(
         "dataset", description="dataset: a BPE tokenizer trained on the dataset's text; bytes: byte-level")
@@ -207,7 +212,7 @@ class PodTemplate(_Model):
     """What a user sets for one kind of pod (trainer or generator); the operator adds the rest."""
     replicas: int = Field(1, ge=1)
     gpus_per_pod: int = Field(1, ge=0, description=f"{GPU_RESOURCE} per pod (0: CPU only)")
-    image: str = Field("ghcr.io/pat-rlhf/pat-worker:0.1.0", min_length=1, description="the worker image")
+    image: str = Field(WORKER_IMAGE, min_length=1, description="the worker image")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent",
                                                                           description="when the image is pulled")
     image_pull_secrets: list[LocalObjectReference] = Field([], description="Secrets for a private registry")
@@ -274,7 +279,8 @@ class Prometheus(_Model):
 
 class AdaptiveTP(_Model):
     """Adaptive tensor parallelism: in a batch's long tail the engine ranks of a pod regroup into larger TP groups."""
-    enabled: bool = Field(True, description="false: every rank stays a TP=1 replica")
+    enabled: bool | None = Field(None, description="false: every rank stays a TP=1 replica; default: true with "
+                                 "engine pat; engine vllm cannot regroup")
     controller: Literal["pod", "operator"] = Field(
         "pod", description="pod: each generator pod plans its own regroups; operator: the operator plans from "
                            "Prometheus metrics and the pod only obeys")
@@ -294,23 +300,85 @@ class AdaptiveTP(_Model):
     prometheus: Prometheus = Field(Prometheus(), description="controller operator: where the metrics come from")
 
 
+# `vllm serve` flags the vLLM generator pod sets itself, and what to do instead of passing one in
+# generator.vllm.extraArgs (which refuses them as --flag and as --flag=value).
+_TP = "set generator.vllm.tensorParallelSize"
+_DP = ("the pod runs ranks / tensorParallelSize engines: set generator.gpusPerPod (or ranksPerPod) and "
+       "generator.vllm.tensorParallelSize")
+VLLM_MANAGED_FLAGS: dict[str, str] = {
+    "--model": "set model.path (or model.tiny)", "--tokenizer": "set tokenizer.path",
+    "--served-model-name": "the pod names the model itself; remove it",
+    "--host": "the pod sets it; remove it", "--port": "the pod sets it (its API listens on generator.port)",
+    "--uds": "the pod sets it; remove it", "--api-key": "the pod authenticates with the job's token; remove it",
+    "--tensor-parallel-size": _TP, "-tp": _TP, "--data-parallel-size": _DP, "-dp": _DP,
+    "--gpu-memory-utilization": "set generator.vllm.gpuMemoryUtilization",
+    "--max-model-len": "set generator.vllm.maxModelLen", "--enforce-eager": "set generator.vllm.enforceEager",
+    "--dtype": "set model.dtype"}
+
+
+def _vllm_flag(arg: str) -> str:
+    """The flag an extraArgs entry sets, as vLLM's parser reads it: -tp=2 -> -tp, --max_model_len -> --max-model-len,
+    --no-enforce-eager -> --enforce-eager."""
+    flag = arg.split("=", 1)[0]
+    if flag.startswith("--"):
+        flag = "--" + flag[2:].replace("_", "-").removeprefix("no-")
+    return flag
+
+
+class VllmSettings(_Model):
+    """engine vllm: the vLLM engines of a generator pod (`vllm serve` settings)."""
+    tensor_parallel_size: int = Field(1, ge=1, description="TP of each vLLM engine; the pod runs ranks / "
+                                      "tensorParallelSize data-parallel engines")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of each GPU's memory vLLM may "
+                                          "use (vLLM's gpu_memory_utilization)")
+    max_model_len: int | None = Field(None, ge=2, description="vLLM's max_model_len; default generator.maxSeq")
+    enforce_eager: bool = Field(False, description="no CUDA graphs (vLLM's enforce_eager): less memory and a "
+                                "faster start, slower decoding")
+    extra_args: list[str] = Field([], description="further `vllm serve` flags, e.g. [\"--max-num-seqs=128\"]; "
+                                  "not the ones the pod sets (model, host, port, TP, DP, memory, dtype: use "
+                                  "the spec's fields)")
+
+    @model_validator(mode="after")
+    def _extra_args(self) -> VllmSettings:
+        for arg in self.extra_args:
+            flag = _vllm_flag(arg)
+            if flag in VLLM_MANAGED_FLAGS:
+                raise ValueError(f"generator.vllm.extraArgs: {arg!r} sets {flag}, which the generator pod manages; "
+                                 f"{VLLM_MANAGED_FLAGS[flag]}")
+            if not arg.startswith("--") or any(c.isspace() for c in flag):
+                raise ValueError(f"generator.vllm.extraArgs: {arg!r}: each entry must start with -- and be one "
+                                 f"whole flag, --flag or --flag=value (e.g. \"--max-num-seqs=128\")")
+        return self
+
+
 class Generator(PodTemplate):
-    """The generator pods: each runs ranksPerPod engine ranks, which regroup into TP groups in place."""
+    """The generator pods: each runs ranksPerPod engine ranks, which regroup into TP groups in place (engine pat), or
+    ranks / vllm.tensorParallelSize vLLM engines (engine vllm)."""
     replicas: int = Field(1, ge=1, description="generator pods")
+    engine: Literal["pat", "vllm"] = Field("pat", description="pat: this project's engine with adaptive TP; vllm: "
+                                           "vLLM engines at a fixed TP (generator.vllm), no adaptive TP; set "
+                                           f"generator.image to {VLLM_WORKER_IMAGE}")
     ranks_per_pod: int | None = Field(None, ge=1, description="engine ranks per pod; default gpusPerPod (one rank "
                                       "per GPU); set it for CPU pods (gpusPerPod: 0)")
-    max_batch: int = Field(64, ge=1, description="sequences per TP=1 replica at most (like vLLM's max_num_seqs); "
-                           "the KV cache never holds more than maxBatch sequences of maxSeq tokens per rank")
+    max_batch: int = Field(64, ge=1, description="engine pat: sequences per TP=1 replica at most (like vLLM's "
+                           "max_num_seqs); the KV cache never holds more than maxBatch sequences of maxSeq tokens "
+                           "per rank")
     max_seq: int = Field(512, ge=2, description="prompt + response tokens per sequence")
-    memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of each GPU's memory the engine may "
-                                      "use: the weights, working memory, and the paged KV cache, which gets the "
-                                      "rest (like vLLM's gpu_memory_utilization)")
+    memory_utilization: float = Field(0.9, gt=0, le=1, description="engine pat: fraction of each GPU's memory the "
+                                      "engine may use: the weights, working memory, and the paged KV cache, which "
+                                      "gets the rest (like vLLM's gpu_memory_utilization)")
     port: int = Field(8000, ge=1, le=65535, description="the coordinator's HTTP port")
     adaptive_tp: AdaptiveTP = Field(AdaptiveTP(), alias="adaptiveTP")
+    vllm: VllmSettings = Field(VllmSettings(), description="engine vllm: its settings")
 
     @property
     def ranks(self) -> int:
         return self.ranks_per_pod or self.gpus_per_pod
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the pods regroup: adaptiveTP.enabled if set, else on with engine pat."""
+        return self.adaptive_tp.enabled if self.adaptive_tp.enabled is not None else self.engine == "pat"
 
     @property
     def tp_sizes(self) -> list[int]:
@@ -333,6 +401,14 @@ class Generator(PodTemplate):
                                  f"ranks per pod; use some of {_powers_of_two(n)}")
         if self.adaptive_tp.tp_sizes and 1 not in self.adaptive_tp.tp_sizes:
             raise ValueError("generator.adaptiveTP.tpSizes must include 1: every rollout batch starts at TP=1")
+        tp = self.vllm.tensor_parallel_size
+        if n % tp:
+            raise ValueError(f"generator.vllm.tensorParallelSize={tp} does not divide the {n} ranks per pod; use one "
+                             f"of {[t for t in range(1, n + 1) if n % t == 0]}")
+        if self.engine == "vllm" and self.adaptive_tp.enabled:
+            raise ValueError("generator.adaptiveTP.enabled: true needs generator.engine: pat; vLLM cannot change "
+                             "tensor_parallel_size at runtime (a running engine's TP is fixed), so adaptive TP is "
+                             "this project's engine's feature; set adaptiveTP.enabled: false or leave it out")
         return self
 
 
@@ -451,6 +527,10 @@ class GeneratorPodStatus(_Status):
     applied_epoch: int = Field(0, description="epoch the pod acknowledged")
     last_regroup_time: str | None = None
     regroups: int = 0
+    running: int | None = Field(None, description="requests running in the pod, from Prometheus: "
+                                "pat_generator_requests_running or vLLM's vllm:num_requests_running")
+    waiting: int | None = Field(None, description="requests waiting in the pod, from Prometheus: "
+                                "pat_generator_requests_waiting or vLLM's vllm:num_requests_waiting")
 
 
 class RLHFJobStatus(_Status):

@@ -16,7 +16,9 @@ def prepare_args(job_file: str, model_dir: str) -> list[str]:
 
 def generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_file: str | None = None) -> list[str]:
     g, a = spec.generator, spec.generator.adaptive_tp
-    controller = a.controller if a.enabled else "operator"  # off: the pod plans nothing and no plans arrive
+    if g.engine == "vllm":
+        return _vllm_generator_args(spec, model_dir, host, token_file)
+    controller = a.controller if g.adaptive else "operator"  # off: the pod plans nothing and no plans arrive
     args = ["generator", "--model", model_dir, "--ranks", str(g.ranks), "--host", host, "--port", str(g.port),
             "--controller", controller, "--margin", str(a.min_gain), "--cooldown-steps", str(a.cooldown_steps),
             "--migration", a.migration, "--max-batch", str(g.max_batch), "--max-seq", str(g.max_seq),
@@ -32,6 +34,24 @@ def generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_file: str
     if token_file:
         args += ["--token-file", token_file]
     return args
+
+
+def _vllm_generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_file: str | None) -> list[str]:
+    """engine vllm: the pod's API in front of ranks / tensorParallelSize vLLM engines; each extraArgs entry is passed
+    on to `vllm serve` as it is (--vllm-arg=--max-num-seqs=128)."""
+    g, v = spec.generator, spec.generator.vllm
+    args = ["generator", "--engine", "vllm", "--model", model_dir, "--ranks", str(g.ranks), "--host", host,
+            "--port", str(g.port), "--tensor-parallel-size", str(v.tensor_parallel_size),
+            "--gpu-memory-utilization", str(v.gpu_memory_utilization),
+            "--max-model-len", str(v.max_model_len or g.max_seq), "--dtype", spec.model.dtype,
+            "--device", "cuda" if g.gpus_per_pod else "cpu"]
+    if v.enforce_eager:
+        args += ["--enforce-eager"]
+    if spec.tokenizer.path:
+        args += ["--tokenizer", spec.tokenizer.path]
+    if token_file:
+        args += ["--token-file", token_file]
+    return args + [f"--vllm-arg={a}" for a in v.extra_args]
 
 
 def trainer_args(spec: RLHFJobSpec, job_file: str, model_dir: str, run_dir: str, generators: list[str], host: str,

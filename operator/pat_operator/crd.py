@@ -114,6 +114,14 @@ def _trainer_world_rule() -> str:
             f"({ranks_set} || {responses} >= {shares} * {gpus})")
 
 
+def _vllm_tp_rule() -> str:
+    """vllm.tensorParallelSize divides the pod's ranks: ranksPerPod, else gpusPerPod (default 1); two cases, as in
+    _trainer_world_rule."""
+    tp = "self.vllm.tensorParallelSize"
+    return (f"(!has(self.ranksPerPod) || self.ranksPerPod % {tp} == 0) && "
+            f"(has(self.ranksPerPod) || {_value('gpusPerPod', api.Generator)} % {tp} == 0)")
+
+
 def _rules() -> dict[str, list[tuple[str, str]]]:
     """CEL rules per model (`x-kubernetes-validations`, Kubernetes >= 1.25), mirroring the models' validators
     where CEL can express them, with the same wording. The models stay the authority: the operator re-validates.
@@ -160,6 +168,11 @@ def _rules() -> dict[str, list[tuple[str, str]]]:
                    "(has(self.ranksPerPod) ? self.ranksPerPod : self.gpusPerPod) % t == 0)"),
              "generator.adaptiveTP.tpSizes: use powers of two dividing the ranks per pod (ranksPerPod, else "
              "gpusPerPod)"),
+            (_when(["vllm.tensorParallelSize"], _vllm_tp_rule()),
+             "generator.vllm.tensorParallelSize must divide the ranks per pod (ranksPerPod, else gpusPerPod)"),
+            (_when(["engine", "adaptiveTP.enabled"], "self.engine != 'vllm' || !self.adaptiveTP.enabled"),
+             "generator.adaptiveTP.enabled: true needs generator.engine: pat (vLLM cannot change its TP at runtime); "
+             "set adaptiveTP.enabled: false or leave it out"),
         ],
         "RLHFJobSpec": _spec_rules(),
     }

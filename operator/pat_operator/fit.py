@@ -19,9 +19,14 @@ Counted per rank (P parameters, W = trainer.world_size, e = 2 bytes per element 
   batch (maxBatch x the largest TP size), and one layer's activations (as the trainer's layer_activation_bytes
   counts them: more than inference keeps) for the longest forward (a batched prefill of PREFILL_TOKENS or one
   recomputed sequence of maxSeq); the profiling pass at start runs in the cache. Then the paged KV cache (blocks
-  of BLOCK_SIZE tokens) gets the rest, and a regroup's transfer buffers beside it (REGROUP_IN_FLIGHT of the cache). The cache never holds more than maxBatch sequences of maxSeq
-  tokens (all KV heads): a TP=t group holds t x maxBatch sequences with 1/t of the heads on each rank, the same
-  bytes per rank. The rank fits when the cache holds at least one sequence of maxSeq tokens.
+  of BLOCK_SIZE tokens) gets the rest, and a regroup's transfer buffers beside it (REGROUP_IN_FLIGHT of the
+  cache). The cache never holds more than maxBatch sequences of maxSeq tokens (all KV heads): a TP=t group holds
+  t x maxBatch sequences with 1/t of the heads on each rank, the same bytes per rank. The rank fits when the cache
+  holds at least one sequence of maxSeq tokens.
+- generator GPU with engine vllm, within generator.vllm.gpuMemoryUtilization: only what is sure, since vLLM
+  profiles its own activations and CUDA graphs at start and its KV cache gets the rest: the GPU's shard of the
+  weights (1/tensorParallelSize) and its share of the KV cache of one sequence of maxModelLen (vLLM refuses to start
+  without room for one). The model's attention heads must split over the TP size.
 HEADROOM (a tenth of each trainer device) is kept free for what is not counted: the CUDA context, NCCL buffers,
 allocator fragmentation, the gradients of activations inside a block's backward.
 """
@@ -203,6 +208,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "demo": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=4, vocab_size=320, lm_head_gain=0.1),
     # For the CPU benchmark: compute per step outweighs a shared-memory all-reduce (~10 us).
+    # The demo model with 32-wide heads, the narrowest vLLM's CPU attention kernels take (examples/vllm.yaml).
+    "demo-vllm": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=320, lm_head_gain=0.1),
     "bench": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                   num_key_value_heads=4, vocab_size=2048),
     # Llama-3.1-8B's shape (random weights), for the GPU benchmark.
@@ -306,9 +314,35 @@ def engine_working_bytes(shape: ModelShape, dtype: str, max_batch: int, max_seq:
     return tokens * layer_activation_bytes(shape, DTYPE_BYTES[dtype]) + logits
 
 
+def utilization(spec: RLHFJobSpec) -> float:
+    """The fraction of a GPU the generator engine may use: generator.memoryUtilization, or with engine vllm
+    generator.vllm.gpuMemoryUtilization."""
+    g = spec.generator
+    return g.vllm.gpu_memory_utilization if g.engine == "vllm" else g.memory_utilization
+
+
+def max_len(spec: RLHFJobSpec) -> int:
+    """The longest sequence the engine holds: generator.maxSeq, or with engine vllm vllm.maxModelLen if set."""
+    g = spec.generator
+    return (g.vllm.max_model_len or g.max_seq) if g.engine == "vllm" else g.max_seq
+
+
+def _kv_share(spec: RLHFJobSpec, shape: ModelShape) -> float:
+    """The fraction of the KV heads on one GPU: all of them on an engine rank of engine pat (a TP=t group holds t
+    times the sequences); with engine vllm 1/tensorParallelSize, a KV head per GPU at least (vLLM replicates them)."""
+    g = spec.generator
+    tp = g.vllm.tensor_parallel_size if g.engine == "vllm" else 1
+    return max(shape.kv_heads // tp, 1) / shape.kv_heads
+
+
 def _engine_fixed(spec: RLHFJobSpec, shape: ModelShape) -> list[tuple[str, float]]:
-    """What an engine rank holds beside its KV cache: the weights and the working memory (the module's docstring)."""
+    """What an engine rank holds beside its KV cache: the weights and the working memory (the module's docstring);
+    with engine vllm only the GPU's shard of the weights."""
     g, dtype = spec.generator, spec.model.dtype
+    if g.engine == "vllm":
+        tp = g.vllm.tensor_parallel_size
+        return [(f"weights ({dtype}, {f'1/{tp} of ' if tp > 1 else ''}the model)",
+                 shape.params * DTYPE_BYTES[dtype] / tp)]
     working = engine_working_bytes(shape, dtype, g.max_batch, g.max_seq, g.ranks)
     return [(f"weights ({dtype}, the whole model)", shape.params * DTYPE_BYTES[dtype]),
             (f"working memory (a forward of {max(PREFILL_TOKENS, g.max_seq)} tokens)", working)]
@@ -317,41 +351,43 @@ def _engine_fixed(spec: RLHFJobSpec, shape: ModelShape) -> list[tuple[str, float
 def _in_flight(spec: RLHFJobSpec, shape: ModelShape) -> float:
     """REGROUP_IN_FLIGHT where the engine may regroup, else 0."""
     g = spec.generator
-    regroups = g.adaptive_tp.enabled and any(t > 1 for t in g.tp_sizes if t in shape.tp_sizes(g.ranks))
+    regroups = g.adaptive and any(t > 1 for t in g.tp_sizes if t in shape.tp_sizes(g.ranks))
     return REGROUP_IN_FLIGHT if regroups else 0.0
 
 
 def sequence_blocks(spec: RLHFJobSpec) -> int:
-    """KV blocks of one sequence of maxSeq tokens (all KV heads)."""
-    return -(-spec.generator.max_seq // BLOCK_SIZE)
+    """KV blocks of one sequence of maxSeq tokens (engine vllm: maxModelLen)."""
+    return -(-max_len(spec) // BLOCK_SIZE)
 
 
-def _block_bytes(spec: RLHFJobSpec, shape: ModelShape) -> int:
-    return BLOCK_SIZE * shape.kv_bytes_per_token(DTYPE_BYTES[spec.model.dtype])
+def _block_bytes(spec: RLHFJobSpec, shape: ModelShape) -> float:
+    """A KV block's bytes on one GPU (all KV heads with engine pat; engine vllm: the GPU's share of them)."""
+    return BLOCK_SIZE * shape.kv_bytes_per_token(DTYPE_BYTES[spec.model.dtype]) * _kv_share(spec, shape)
 
 
 def kv_blocks(spec: RLHFJobSpec, shape: ModelShape, memory_bytes: float | None) -> tuple[int, int | None]:
     """(blocks the KV cache of an engine rank holds, blocks memoryUtilization x memory_bytes has room for, or None
-    without a device to size it from); at most maxBatch sequences of maxSeq tokens."""
+    without a device to size it from); at most maxBatch sequences of maxSeq tokens (engine vllm: no cap here, and one
+    sequence without a device)."""
     g = spec.generator
-    cap = g.max_batch * sequence_blocks(spec)
+    cap = g.max_batch * sequence_blocks(spec) if g.engine == "pat" else None
     if memory_bytes is None:
-        return cap, None
-    rest = g.memory_utilization * memory_bytes - sum(b for _, b in _engine_fixed(spec, shape))
+        return cap or sequence_blocks(spec), None
+    rest = utilization(spec) * memory_bytes - sum(b for _, b in _engine_fixed(spec, shape))
     room = max(int(rest / (_block_bytes(spec, shape) * (1 + _in_flight(spec, shape)))), 0)
-    return min(cap, room), room
+    return (room if cap is None else min(cap, room)), room
 
 
 def generator_memory(spec: RLHFJobSpec, shape: ModelShape, memory_bytes: float | None = None) -> Memory:
     """Per generator engine rank on a device of memory_bytes (None: not known, the cache at its cap); see the
     module's docstring. A cache without room for one sequence counts as one (what the rank needs at least)."""
-    g = spec.generator
     blocks, room = kv_blocks(spec, shape, memory_bytes)
-    block, moving = _block_bytes(spec, shape), _in_flight(spec, shape)
+    block, moving, length = _block_bytes(spec, shape), _in_flight(spec, shape), max_len(spec)
+    bound = ("at most " if spec.generator.engine == "pat" else "at least ") * (room is None)
     if held := blocks // sequence_blocks(spec):
-        label = f"KV cache ({'at most ' * (room is None)}{held} x {g.max_seq} tokens)"
+        label = f"KV cache ({bound}{held} x {length} tokens)"
     else:
-        label, blocks = f"KV cache (1 x {g.max_seq} tokens: no room)", sequence_blocks(spec)
+        label, blocks = f"KV cache (1 x {length} tokens: no room)", sequence_blocks(spec)
     terms = [*_engine_fixed(spec, shape), (label, blocks * block)]
     if moving:
         terms.append((f"regroup: KV in flight ({moving:.0%} of the cache)", moving * blocks * block))
@@ -359,7 +395,8 @@ def generator_memory(spec: RLHFJobSpec, shape: ModelShape, memory_bytes: float |
 
 
 def generator_need(spec: RLHFJobSpec, shape: ModelShape) -> float:
-    """The least an engine rank needs: its weights, working memory and a KV cache of one sequence of maxSeq."""
+    """The least an engine rank needs: its weights, working memory and a KV cache of one sequence of maxSeq (engine
+    vllm: its shard of the weights and its share of the KV cache of one sequence of maxModelLen)."""
     one = sequence_blocks(spec) * _block_bytes(spec, shape) * (1 + _in_flight(spec, shape))
     return sum(b for _, b in _engine_fixed(spec, shape)) + one
 
@@ -379,8 +416,9 @@ def usable(memory_bytes: float) -> float:
 
 
 def allowance(spec: RLHFJobSpec, role: str, memory_bytes: float) -> float:
-    """What a rank may use of a device's memory: a trainer rank all but HEADROOM, an engine rank memoryUtilization."""
-    return spec.generator.memory_utilization * memory_bytes if role == "generator" else usable(memory_bytes)
+    """What a rank may use of a device's memory: a trainer rank all but HEADROOM, an engine rank memoryUtilization
+    (engine vllm: vllm.gpuMemoryUtilization)."""
+    return utilization(spec) * memory_bytes if role == "generator" else usable(memory_bytes)
 
 
 def need(spec: RLHFJobSpec, shape: ModelShape, role: str) -> float:
@@ -408,15 +446,30 @@ def role_gpus(spec: RLHFJobSpec, name: str | None = None, *, lenient: bool = Fal
 
 
 def problems(spec: RLHFJobSpec, shape: ModelShape, gpus: dict[str, GPU | None]) -> list[str]:
-    """A generator.maxSeq beyond the model's positions, and one message per role that does not fit its GPU (a role
-    mapped to None is not checked), naming the field to change and the least change that fits."""
-    seq, positions = spec.generator.max_seq, shape.max_positions
-    beyond = (f"spec.generator.maxSeq: generator.maxSeq={seq} is beyond the model's max_position_embeddings="
-              f"{positions}; lower generator.maxSeq to {positions} or less")
-    over = [message for role, g in gpus.items()
-            if g is not None and (message := _check(spec, shape, role, g.memory_bytes,
-                                                     f"an {g.name}'s {gib(g.memory_bytes)}"))]
-    return [beyond] * bool(positions and seq > positions) + over
+    """A generator.maxSeq (engine vllm: vllm.maxModelLen) beyond the model's positions, a vLLM TP size that does not
+    split the attention heads, and one message per role that does not fit its GPU (a role mapped to None is not
+    checked), naming the field to change and the least change that fits."""
+    g, seq, positions = spec.generator, max_len(spec), shape.max_positions
+    name = "generator.vllm.maxModelLen" if g.engine == "vllm" and g.vllm.max_model_len else "generator.maxSeq"
+    beyond = (f"spec.{name}: {name}={seq} is beyond the model's max_position_embeddings={positions}; lower {name} "
+              f"to {positions} or less")
+    tp = g.vllm.tensor_parallel_size
+    sizes = [t for t in range(1, g.ranks + 1) if g.ranks % t == 0 and shape.heads % t == 0]
+    split = (f"spec.generator.vllm.tensorParallelSize: vLLM splits the model's {shape.heads} attention heads over the "
+             f"{tp} GPUs of an engine; use one of {sizes}")
+    over = [message for role, device in gpus.items()
+            if device is not None and (message := _check(spec, shape, role, device.memory_bytes,
+                                                          f"an {device.name}'s {gib(device.memory_bytes)}"))]
+    cpu_heads = (f"spec.generator.engine: vLLM's CPU attention kernels take heads {VLLM_CPU_HEAD_SIZES} wide; "
+                 f"{shape.name}'s are {shape.head_dim} (on CPU use a model with such heads, e.g. model.tiny.preset: "
+                 f"demo-vllm, or generator.engine: pat)")
+    on_cpu = g.engine == "vllm" and not g.gpus_per_pod and shape.head_dim not in VLLM_CPU_HEAD_SIZES
+    return ([beyond] * bool(positions and seq > positions) + [split] * (g.engine == "vllm" and shape.heads % tp > 0)
+            + [cpu_heads] * on_cpu + over)
+
+
+# vLLM 0.32's CPU attention backend (CPUAttentionBackend.get_supported_head_sizes): others fail at the first request.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def known_problems(spec: RLHFJobSpec, shape: ModelShape | None = None) -> list[str]:
@@ -445,7 +498,12 @@ def check_free(spec: RLHFJobSpec, shape: ModelShape, free_bytes: float, role: st
 # What each role's fixes change, in the order they are preferred: the cheapest in speed or GPUs first.
 FIXES = {"trainer": ("algorithm.maxTokensPerMicroBatch", "trainer.activationCheckpointing", "trainer.gpusPerPod",
                      "trainer.replicas", "trainer.cpuOffload"),
-         "generator": ("generator.memoryUtilization", "model.dtype", "generator.maxSeq")}
+         "generator": ("generator.memoryUtilization", "model.dtype", "generator.maxSeq"),
+         "generator-vllm": ("generator.vllm.gpuMemoryUtilization", "model.dtype", "generator.vllm.tensorParallelSize")}
+
+
+def _fix_fields(spec: RLHFJobSpec, role: str) -> tuple[str, ...]:
+    return FIXES["generator-vllm" if role == "generator" and spec.generator.engine == "vllm" else role]
 MAX_REPLICAS = 64  # the most trainer pods a fix suggests
 
 
@@ -455,15 +513,21 @@ def _check(spec: RLHFJobSpec, shape: ModelShape, role: str, capacity: float, of:
         return None
     unit = "GPU" if getattr(spec, role).gpus_per_pod > 0 else "rank"
     who = f"a {role} rank of {shape.name} needs {gib(needed)} per {unit}"
-    if role == "generator":
+    if role == "generator" and spec.generator.engine == "vllm":
+        tp = spec.generator.vllm.tensor_parallel_size
+        who = (f"a vLLM engine of {shape.name} needs {gib(needed)} per GPU (its 1/{tp} of the weights and of the KV "
+               f"cache of one sequence of maxModelLen={max_len(spec)} tokens; vLLM's own working memory is not "
+               f"counted)")
+        room = f"more than the {gib(allowed)} it may use of {of}"
+    elif role == "generator":
         who += f" (weights, working memory and the KV cache of one sequence of maxSeq={spec.generator.max_seq} tokens)"
         room = f"more than the {gib(allowed)} it may use of {of}"
     else:
         room = f"more than the {gib(allowed)} usable of {of} ({HEADROOM:.0%} kept free)"
     fixes = list(_fixes(spec, shape, role, capacity))
     if not fixes:
-        return (f"spec.{role}.nodeSelector: {who}, {room}, and no single change of {', '.join(FIXES[role])} fits; "
-                f"use GPUs with more memory")
+        return (f"spec.{role}.nodeSelector: {who}, {room}, and no single change of "
+                f"{', '.join(_fix_fields(spec, role))} fits; use GPUs with more memory")
 
     def result(fixed: float, fixed_allowed: float) -> str:
         return gib(fixed) + (f" of {gib(fixed_allowed)}" if fixed_allowed != allowed else "")
@@ -493,11 +557,16 @@ def _fixes(spec: RLHFJobSpec, shape: ModelShape, role: str,
                  "trainer.replicas": (t.replicas, range(t.replicas + 1, MAX_REPLICAS + 1)),
                  "trainer.cpuOffload": (t.cpu_offload, [True] * (t.gpus_per_pod > 0 and not t.cpu_offload))}
     else:
+        v = g.vllm
         tried = {"generator.memoryUtilization": (g.memory_utilization, [
-                     v / 100 for v in range(int(g.memory_utilization * 100) + 1, 101)]),
+                     u / 100 for u in range(int(g.memory_utilization * 100) + 1, 101)]),
                  "model.dtype": (spec.model.dtype, ["bfloat16"] * (spec.model.dtype == "float32")),
-                 "generator.maxSeq": (g.max_seq, range((g.max_seq - 1) // 256 * 256, 0, -256))}
-    for path in FIXES[role]:
+                 "generator.maxSeq": (g.max_seq, range((g.max_seq - 1) // 256 * 256, 0, -256)),
+                 "generator.vllm.gpuMemoryUtilization": (v.gpu_memory_utilization, [
+                     u / 100 for u in range(int(v.gpu_memory_utilization * 100) + 1, 101)]),
+                 "generator.vllm.tensorParallelSize": (v.tensor_parallel_size, [
+                     t for t in range(v.tensor_parallel_size + 1, g.ranks + 1) if shape.heads % t == 0])}
+    for path in _fix_fields(spec, role):
         now, values = tried[path]
         for value in values:
             # One rank per GPU: a new gpusPerPod takes ranksPerPod with it.

@@ -29,6 +29,7 @@ from .api import GROUP, PHASES, VERSION, GeneratorPodStatus, JobSpecError, RLHFJ
 from .autoscaler import AutoscaleSettings, Autoscaler
 from .operator_metrics import OperatorMetrics
 from .podclient import PodClient
+from .prometheus import PrometheusError, query, queue_depths, queue_queries
 from .reconcile import Decision, Observed, Settings, decide, parse_body, pod_view
 
 PLURAL = "rlhfjobs"
@@ -78,7 +79,7 @@ async def run_job(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
     key = (namespace, name)
     wake = m.wakers.setdefault(key, asyncio.Event())
     token = builders.job_token(m.token_key, uid)
-    observer = _Observer(m, token, body.get("status"))
+    observer = _Observer(m, token, body.get("status"), _prometheus_url(m, body))
     errors: tuple[str, ...] = ()
     autoscaler = _autoscaler(m, body, token, observer, wake)
     autoscaling = asyncio.create_task(_autoscale(autoscaler, key, pods_by_job)) if autoscaler else None
@@ -123,6 +124,14 @@ async def run_job(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
         _count_phases(m)
 
 
+def _prometheus_url(m: Memo, body: kopf.Body) -> str | None:
+    """Where the job's generator metrics are: its adaptiveTP.prometheus.url, else the operator's --prometheus-url."""
+    try:
+        return parse_body(dict(body)).spec.generator.adaptive_tp.prometheus.url or m.prometheus_url
+    except JobSpecError:
+        return None  # decide() fails the job
+
+
 def _autoscaler(m: Memo, body: kopf.Body, token: str, observer: _Observer, wake: asyncio.Event) -> Autoscaler | None:
     """The job's autoscaler, if its adaptive TP is the operator's to drive (the spec is immutable once running)."""
     try:
@@ -130,7 +139,7 @@ def _autoscaler(m: Memo, body: kopf.Body, token: str, observer: _Observer, wake:
     except JobSpecError:
         return None  # decide() fails the job
     adaptive = job.spec.generator.adaptive_tp
-    if not adaptive.enabled or adaptive.controller != "operator":
+    if not job.spec.generator.adaptive or adaptive.controller != "operator":
         return None
     if m.session is None:
         m.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
@@ -230,11 +239,12 @@ async def _catch_up(body: kopf.Body, snapshot: dict[str, Any]) -> None:
 
 class _Observer:
     """Reads what only the pods know: the trainer's completed iteration (its /metrics) and each generator pod's
-    TP layout and epoch (its /v1/state, with the job's token). Best effort: a pod that does not answer is
+    TP layout and epoch (its /v1/state, with the job's token); and, where a Prometheus is known, each generator
+    pod's requests running and waiting. Best effort: a pod that does not answer, or a failed query (counted), is
     skipped, its last known values stay in the status."""
 
-    def __init__(self, m: Memo, token: str, status: dict[str, Any] | None):
-        self.m, self.token = m, token
+    def __init__(self, m: Memo, token: str, status: dict[str, Any] | None, prometheus_url: str | None = None):
+        self.m, self.token, self.prometheus_url = m, token, prometheus_url
         self.last = 0.0
         self.polling = False  # whether the last observation found pods to read
         self.iteration: int | None = None
@@ -253,8 +263,11 @@ class _Observer:
         self.polling = bool(running)
         if self.m.session is None:
             self.m.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
+        generators = [p for p in running if p.role == "generator" and p.ready]
+        queues = [self._queues(body["metadata"]["namespace"], [p.name for p in generators])] \
+            if generators and self.prometheus_url else []
         await asyncio.gather(*(self._trainer(p) for p in running if p.role == "trainer" and p.index == 0),
-                             *(self._generator(p, spec) for p in running if p.role == "generator" and p.ready))
+                             *(self._generator(p, spec) for p in generators), *queues)
         return self.iteration, self.generators
 
     async def _trainer(self, pod) -> None:
@@ -275,6 +288,21 @@ class _Observer:
             return
         old = self.generators.get(pod.name) or GeneratorPodStatus(pod=pod.name)
         self.generators[pod.name] = old.model_copy(update={"layout": state.layout, "applied_epoch": state.epoch})
+
+    async def _queues(self, namespace: str, pods: list[str]) -> None:
+        """The pods' requests running and waiting, from Prometheus (either engine's metrics)."""
+        timeout = self.m.autoscale.query_timeout_seconds
+        try:
+            running, waiting = await asyncio.gather(*(query(self.m.session, self.prometheus_url, q, timeout)
+                                                      for q in queue_queries(namespace, pods)))
+        except PrometheusError as e:
+            self.m.metrics.prometheus_errors.labels(e.reason).inc()
+            return
+        for pod, (r, w) in queue_depths(running, waiting).items():
+            if pod in pods:
+                old = self.generators.get(pod) or GeneratorPodStatus(pod=pod)
+                known = {k: v for k, v in (("running", r), ("waiting", w)) if v is not None}
+                self.generators[pod] = old.model_copy(update=known)
 
 
 def _wake(memo: kopf.Memo, namespace: str, job: str) -> None:

@@ -33,6 +33,15 @@ GENERATOR_PROFILE_KV_SECONDS = "pat_generator_profile_kv_seconds"  # label tp: s
 GENERATOR_REGROUP_COST = "pat_generator_regroup_cost"  # label term: fixed_seconds | kv_seconds_per_token
 GENERATOR_PREFILL_COST = "pat_generator_prefill_cost"  # labels tp, term: seconds | seconds_per_token
 
+# Generator pods of engine vllm: vLLM's own series, which the pod's /metrics re-exports as they are (the scrape adds
+# namespace, pod, pat_job, pat_role), labelled engine (the data-parallel engine's index) and model_name.
+VLLM_PREFIX = "vllm:"
+VLLM_REQUESTS_RUNNING = "vllm:num_requests_running"
+VLLM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # fraction (0..1) of the engine's KV cache blocks in use
+VLLM_GENERATION_TOKENS = "vllm:generation_tokens"  # counter: exported as vllm:generation_tokens_total
+VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"  # counter: exported as vllm:prompt_tokens_total
+
 # Trainer (rank 0). Label phase: generate | reward | train | sync | checkpoint.
 TRAINER_ITERATION = "pat_trainer_iteration"
 TRAINER_PHASE_SECONDS = "pat_trainer_phase_seconds"  # gauge: the last iteration's seconds per phase

@@ -1,5 +1,6 @@
 """What the operator reads from Prometheus about a job's generator pods: one instant query for the planner's
-inputs and one for when each pod was last scraped, turned (purely) into a PodMetrics per pod.
+inputs and one for when each pod was last scraped, turned (purely) into a PodMetrics per pod; and, for the status,
+the requests running and waiting per pod, from either engine's metrics (queue_queries, queue_depths).
 
 Series are selected by the `namespace` and `pod` target labels, which every Kubernetes scrape setup attaches
 (kubernetes_sd relabelling, a PodMonitor). A pod whose last scrape is older than `max_age` is stale: left out,
@@ -53,13 +54,48 @@ class PodMetrics:
         return sum(len(r) for r in self.running.values())
 
 
-def selectors(namespace: str, pods: Sequence[str]) -> tuple[str, str]:
-    """The two queries: the planner's inputs, and each pod's last scrape time."""
+def pod_matchers(namespace: str, pods: Sequence[str]) -> str:
+    """The label matchers of the pods' series."""
     # Pod names are DNS subdomains: of the regex's metacharacters only "." can occur, escaped as \\. in a PromQL string.
     pods_regex = "|".join(sorted(pod.replace(".", "\\\\.") for pod in pods))
-    match = f'namespace="{namespace}",pod=~"{pods_regex}"'
+    return f'namespace="{namespace}",pod=~"{pods_regex}"'
+
+
+def selectors(namespace: str, pods: Sequence[str]) -> tuple[str, str]:
+    """The two queries: the planner's inputs, and each pod's last scrape time."""
+    match = pod_matchers(namespace, pods)
     return (f'{{__name__=~"{"|".join(INPUTS)}",{match}}}',
             f'timestamp({names.GENERATOR_LAYOUT_EPOCH}{{{match}}})')
+
+
+def queue_queries(namespace: str, pods: Sequence[str]) -> tuple[str, str]:
+    """The requests running, and those waiting, per pod: engine pat's gauges (per replica group), else vLLM's (per
+    data-parallel engine), summed over the pod."""
+    match = pod_matchers(namespace, pods)
+
+    def either(pat: str, vllm: str) -> str:
+        return f"sum by (pod) ({pat}{{{match}}}) or sum by (pod) ({vllm}{{{match}}})"
+
+    return (either(names.GENERATOR_REQUESTS_RUNNING, names.VLLM_REQUESTS_RUNNING),
+            either(names.GENERATOR_REQUESTS_WAITING, names.VLLM_REQUESTS_WAITING))
+
+
+def queue_depths(running: list[dict], waiting: list[dict]) -> dict[str, tuple[int | None, int | None]]:
+    """Per pod, (requests running, waiting) from the results of queue_queries; None where a result has no sample of
+    the pod (or not a number)."""
+    def per_pod(result: list[dict]) -> dict[str, int]:
+        out = {}
+        for s in result:
+            try:
+                value = float(s["value"][1])
+            except (KeyError, IndexError, TypeError, ValueError):
+                continue
+            if math.isfinite(value) and (pod := s.get("metric", {}).get("pod")):
+                out[pod] = round(value)
+        return out
+
+    r, w = per_pod(running), per_pod(waiting)
+    return {pod: (r.get(pod), w.get(pod)) for pod in sorted(r.keys() | w.keys())}
 
 
 async def query(session: aiohttp.ClientSession, url: str, promql: str, timeout: float) -> list[dict]:

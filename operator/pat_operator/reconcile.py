@@ -14,6 +14,7 @@ does no harm. Conditions are the one source of truth; the phase is derived from 
   (or disappears once the gang has started), every pod of the attempt is deleted and, after an exponential
   backoff, all are created again as the next attempt -- up to runPolicy.backoffLimit restarts, then Failed.
 - The job succeeds when every trainer pod has exited 0; the generators are then deleted.
+- A generator pod whose requests (running + waiting, from Prometheus) go from none to some posts GeneratorQueue.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from . import builders, fit
+from . import metric_names as names
 from .api import Condition, GeneratorPodStatus, JobSpecError, RLHFJob, RLHFJobStatus, parse_job
 from .layout import describe
 
@@ -271,9 +273,10 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
         book.set(REGROUPING, "True" if obs.regrouping else "False", "PlanInFlight" if obs.regrouping else "Idle",
                  f"a regroup plan is in flight to {', '.join(obs.regrouping)}" if obs.regrouping else
                  "no regroup plan in flight")
-    book.fields["generators"] = [
-        (obs.generators.get(name) or _previous(status, name)).model_dump(by_alias=True, exclude_none=True)
-        for name in expected if expected[name][0] == "generator"]
+    generators = [obs.generators.get(name) or _previous(status, name)
+                  for name in expected if expected[name][0] == "generator"]
+    book.events += [e for g in generators if (e := queue_event(_previous(status, g.pod), g, spec.generator.engine))]
+    book.fields["generators"] = [g.model_dump(by_alias=True, exclude_none=True) for g in generators]
     return book.decision(ensure=ensure, create_pods=create, wake_after=wake_after)
 
 
@@ -288,6 +291,23 @@ def phase_of(conditions: list[Condition]) -> str:
         if kind in true:
             return phase
     return "Pending"
+
+
+QUEUE_SOURCES = {"pat": names.GENERATOR_REQUESTS_RUNNING.removesuffix("running") + "*",
+                 "vllm": names.VLLM_REQUESTS_RUNNING.removesuffix("running") + "*"}
+
+
+def queue_event(old: GeneratorPodStatus, new: GeneratorPodStatus, engine: str) -> Event | None:
+    """GeneratorQueue, when a generator pod goes from idle (no request running or waiting, or none known) to busy:
+    once per busy spell, not on every observation."""
+    def load(g: GeneratorPodStatus) -> int:
+        return (g.running or 0) + (g.waiting or 0)
+
+    if load(new) == 0 or load(old) > 0:
+        return None
+    shown = ["?" if n is None else str(n) for n in (new.running, new.waiting)]
+    return Event("Normal", "GeneratorQueue", f"pod {new.pod}: {shown[0]} running, {shown[1]} waiting "
+                                             f"({QUEUE_SOURCES.get(engine, engine)})")
 
 
 def tp_summary(generators: list[dict[str, Any]]) -> str:

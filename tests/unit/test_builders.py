@@ -130,6 +130,22 @@ def test_the_generator_takes_the_pods_flags_and_exits_2_on_a_bad_engine_option(m
     assert args[0] == "generator" and generator([*args[1:], flag, value]) == 2
     assert capsys.readouterr().err == f"pat generator: {error}\n"
 
+def test_the_generator_takes_a_vllm_pods_flags_and_exits_2_on_a_tp_not_dividing_its_ranks(monkeypatch, capsys):
+    """The vLLM pod's command line parses whole (extra vLLM flags included) and is checked before vLLM starts."""
+    from pat_workers.generator.__main__ import main as generator
+
+    monkeypatch.setenv("PAT_JOB_TOKEN", "token")
+    spec = job(generator={"engine": "vllm", "vllm": {"extraArgs": ["--max-num-seqs=8"]},
+                          "adaptiveTP": {"enabled": False}}).spec
+    args = commands.generator_args(spec, "/no/model", "127.0.0.1")
+    assert args[:3] == ["generator", "--engine", "vllm"] and "--vllm-arg=--max-num-seqs=8" in args
+    assert generator([*args[1:], "--tensor-parallel-size", "3"]) == 2
+    assert "--tensor-parallel-size=3 must divide --ranks=2" in capsys.readouterr().err
+    assert generator(args[1:]) == 2  # the flags parse; the model directory is checked next
+    assert capsys.readouterr().err == "pat generator: --model /no/model: no config.json there (a Hugging Face " \
+                                      "model directory)\n"
+
+
 def test_custom_command_replaces_the_worker_and_its_init_container():
     j = job(generator={"command": ["sleep", "infinity"]})
     spec = builders.pod(j, "u", "generator", 0, 0)["spec"]

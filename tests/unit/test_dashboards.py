@@ -11,15 +11,18 @@ import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import typing
 import urllib.parse
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from pat_operator import metric_names as names
 from pat_operator.api import PHASES
@@ -83,13 +86,30 @@ def raw_queries(path: Path) -> list[tuple[str, str]]:
     return out
 
 
+VLLM_GAUGES = (names.VLLM_REQUESTS_RUNNING, names.VLLM_REQUESTS_WAITING, names.VLLM_KV_CACHE_USAGE)
+VLLM_COUNTERS = (names.VLLM_GENERATION_TOKENS, names.VLLM_PROMPT_TOKENS)
+
+
+def vllm_pod_registry() -> CollectorRegistry:
+    """A stand-in for what a generator pod of engine vllm exports once its engines run: vLLM's own series, which
+    the pod re-exports as they are, labelled engine (the data-parallel engine's index) and model_name; here two
+    engines. (vLLM is not in this venv: its own tests scrape the real pod.)"""
+    registry = CollectorRegistry()
+    metrics = [Gauge(name, name, ["engine", "model_name"], registry=registry) for name in VLLM_GAUGES]
+    metrics += [Counter(name, name, ["engine", "model_name"], registry=registry) for name in VLLM_COUNTERS]
+    for metric in metrics:
+        for engine in ("0", "1"):
+            metric.labels(engine, "/work/model")
+    return registry
+
+
 def fresh_registries() -> dict[str, CollectorRegistry]:
     """The registries as each process has them right after it starts, before any event: the operator, a generator
-    pod that has set its first layout (two TP=1 groups), the trainer."""
+    pod that has set its first layout (two TP=1 groups), the trainer, and a generator pod of engine vllm."""
     engine = EngineMetrics(max_seq=64)
     engine.set_layout([(0,), (1,)], 0)
     return {"operator": OperatorMetrics().registry, "generator": engine.registry,
-            "trainer": TrainerMetrics("127.0.0.1", port=0).registry}
+            "trainer": TrainerMetrics("127.0.0.1", port=0).registry, "vllm": vllm_pod_registry()}
 
 
 def exported(registries: dict[str, CollectorRegistry]) -> dict[str, list[dict[str, str]]]:
@@ -103,8 +123,10 @@ def exported(registries: dict[str, CollectorRegistry]) -> dict[str, list[dict[st
 
 
 def contract_names() -> set[str]:
-    return {v for k, v in vars(names).items() if k.isupper() and isinstance(v, str) and v.startswith(names.PREFIX)
-            and v != names.PREFIX}
+    """The metric names of metric_names: the project's (pat_) and the vLLM series its vLLM pods re-export."""
+    prefixes = (names.PREFIX, names.VLLM_PREFIX)
+    return {v for k, v in vars(names).items() if k.isupper() and isinstance(v, str) and v.startswith(prefixes)
+            and v not in prefixes}
 
 
 def unknown_metrics(path: Path, samples: dict[str, list[dict[str, str]]]) -> list[str]:
@@ -262,6 +284,17 @@ def test_a_misspelt_metric_is_caught(tmp_path):
     assert len(problems) == 1 and "pat_generator_token_total" in problems[0], problems
 
 
+def test_a_vllm_name_outside_metric_names_is_caught(tmp_path):
+    """vLLM's older name of the KV cache gauge: exported by no process here and not in metric_names."""
+    d = load(RLHF_JOB)
+    target = next(t for p in panels(d) for t in p.get("targets", []) if names.VLLM_KV_CACHE_USAGE in t["expr"])
+    target["expr"] = target["expr"].replace(names.VLLM_KV_CACHE_USAGE, "vllm:gpu_cache_usage_perc")
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(d))
+    problems = unknown_metrics(broken, exported(fresh_registries()))
+    assert len(problems) == 1 and "vllm:gpu_cache_usage_perc" in problems[0], problems
+
+
 def test_the_job_dashboard_selects_namespace_and_job(tmp_path):
     required = {"namespace": "$namespace", "pat_job": "$job"}
     assert unscoped(RLHF_JOB, required) == []
@@ -360,6 +393,27 @@ def test_fresh_metrics_have_a_sample_for_every_selector(path):
     assert missing == []
 
 
+def serve_text(registry: CollectorRegistry) -> ThreadingHTTPServer:
+    """The registry's /metrics in the text format only, as the vLLM pod must serve vLLM's series: prometheus_client's
+    OpenMetrics writer, which start_http_server picks when Prometheus (2.x) asks for it, turns the colons of sample
+    names into underscores (vllm:num_requests_running -> vllm_num_requests_running; prometheus/client_python#1177)."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 -- http.server's name
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -381,9 +435,12 @@ def test_a_real_prometheus_answers_every_query_from_the_first_scrapes(tmp_path):
     target_labels = {"operator": {"namespace": "pat-system", "pod": "pat-operator-0"},
                      "generator": {"namespace": "ns", "pod": "demo-generator-0", "pat_job": "demo",
                                    "pat_role": "generator"},
-                     "trainer": {"namespace": "ns", "pod": "demo-trainer-0", "pat_job": "demo", "pat_role": "trainer"}}
+                     "trainer": {"namespace": "ns", "pod": "demo-trainer-0", "pat_job": "demo", "pat_role": "trainer"},
+                     "vllm": {"namespace": "ns", "pod": "demo-generator-1", "pat_job": "demo",
+                              "pat_role": "generator"}}
     for role, registry in fresh_registries().items():
-        server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+        server = serve_text(registry) if role == "vllm" else start_http_server(0, addr="127.0.0.1",
+                                                                               registry=registry)[0]
         servers.append(server)
         scrape.append({"job_name": role, "static_configs": [{"targets": [f"127.0.0.1:{server.server_port}"],
                                                              "labels": target_labels[role]}]})

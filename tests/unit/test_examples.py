@@ -21,7 +21,7 @@ def pat_validate(path: Path) -> subprocess.CompletedProcess:
 
 def test_the_examples_are_there():
     names = {p.name for p in EXAMPLES}
-    assert {"local.yaml", "llama-3.1-8b.yaml", "qwen3-14b.yaml"} <= names, names
+    assert {"local.yaml", "llama-3.1-8b.yaml", "qwen3-14b.yaml", "vllm.yaml"} <= names, names
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
@@ -69,7 +69,14 @@ def _under(path: str, mounts: list[dict]) -> bool:
     return any(PurePosixPath(path).is_relative_to(m["mountPath"]) for m in mounts)
 
 
-@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name != "local.yaml"], ids=lambda p: p.name)
+GPU_EXAMPLES = [p for p in EXAMPLES if yaml.safe_load(p.read_text())["spec"]["generator"].get("gpusPerPod", 1) > 0]
+
+
+def test_the_cpu_examples_are_the_local_ones():
+    assert {p.name for p in EXAMPLES} - {p.name for p in GPU_EXAMPLES} == {"local.yaml", "vllm.yaml"}
+
+
+@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=lambda p: p.name)
 def test_gpu_example_pods_mount_what_the_spec_reads(path):
     """What `pat validate` cannot see: the model directory is on the model volume in every pod, the dataset on a
     volume of the trainer (the one that reads it), the run folder on a persistent volume (a restarted gang
@@ -80,7 +87,7 @@ def test_gpu_example_pods_mount_what_the_spec_reads(path):
     s = job.spec
     assert s.model.volume is not None and PurePosixPath(s.model.path).is_relative_to(s.model.mount_path)
     assert s.checkpoint.volume is not None and "persistentVolumeClaim" in s.checkpoint.volume
-    assert s.generator.adaptive_tp.enabled and s.generator.adaptive_tp.controller == "operator"
+    assert s.generator.adaptive and s.generator.adaptive_tp.controller == "operator"
     for role, index in builders.expected_pods(job):
         (container,) = builders.pod(job, "uid", role, index, attempt=0)["spec"]["containers"]
         mounts = container["volumeMounts"]

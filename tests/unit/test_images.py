@@ -1,7 +1,8 @@
 """The images, checked without a Docker engine: the Dockerfile has a target per image repository the project names
 (the repository's last path segment), pins every base to an exact version, runs its final stages as the numeric
-non-root user the pods run as, keeps torch out of the operator image and compilers out of both, and every command
-the pods and the chart run is a console script of the package (installed in this venv).
+non-root user the pods run as, keeps torch out of the operator image and compilers out of the final stages (but
+for the C compiler and Python headers that Triton needs at run time in the vLLM image), and every command the pods
+and the chart run is a console script of the package (installed in this venv).
 
 The checks are small functions over text, so that the negative controls below can feed them broken input."""
 
@@ -19,7 +20,7 @@ import pytest
 import yaml
 
 from pat_operator import builders
-from pat_operator.api import PodTemplate, parse_job
+from pat_operator.api import VLLM_WORKER_IMAGE, PodTemplate, parse_job
 
 ROOT = Path(__file__).parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -172,10 +173,17 @@ BUILD_TOOLS = re.compile(r"\b(build-essential|gcc|g\+\+|clang|make|cmake|ninja-b
                          r"cuda-nvcc|cuda-toolkit[-\w]*|nvidia-cuda-toolkit)\b")
 
 
-def build_tools_in(text: str, target: str) -> list[str]:
-    """Compilers installed in a final stage, or a base that ships them (-devel CUDA, a non-slim python)."""
+# What a final stage may install of BUILD_TOOLS: in the vLLM image, what Triton and torch.compile (inductor) build
+# their kernel launchers with at run time (vLLM compiles its model at start), a C compiler and the Python headers.
+JIT_TOOLS = {"pat-worker-vllm": frozenset({"gcc", "python3-dev"})}
+
+
+def build_tools_in(text: str, target: str, allowed: frozenset[str] = frozenset()) -> list[str]:
+    """Compilers installed in a final stage (but those `allowed`), or a base that ships them (-devel CUDA, a
+    non-slim python)."""
     s = stage(text, target)
-    found = [f"{target}: RUN {rest}" for rest in s.args("RUN") if BUILD_TOOLS.search(rest)]
+    found = [f"{target}: RUN {rest}" for rest in s.args("RUN")
+             if any(m[0] not in allowed for m in BUILD_TOOLS.finditer(rest))]
     repo, _, tag = s.base.rsplit("/", 1)[-1].partition(":")
     if "devel" in tag or (repo == "python" and "slim" not in tag and "alpine" not in tag):
         found.append(f"{target}: FROM {s.base} ships compilers")
@@ -309,12 +317,13 @@ def ignore_patterns(text: str) -> list[str]:
 # -- the checks on the real files ---------------------------------------------------------------------------
 TEXT = DOCKERFILE.read_text()
 WORKER_IMAGE = PodTemplate.model_fields["image"].default
-TARGETS = {image_target(i) for i in {WORKER_IMAGE, *chart_images()}} | {"pat-operator", "pat-worker"}
+TARGETS = {image_target(i) for i in {WORKER_IMAGE, VLLM_WORKER_IMAGE, *chart_images()}} | {"pat-operator", "pat-worker",
+                                                                                          "pat-worker-vllm"}
 SCRIPTS = PYPROJECT["project"]["scripts"]
 
 
 def test_every_image_repository_is_a_dockerfile_target():
-    assert image_target(WORKER_IMAGE) == "pat-worker"
+    assert image_target(WORKER_IMAGE) == "pat-worker" and image_target(VLLM_WORKER_IMAGE) == "pat-worker-vllm"
     assert missing_targets(TEXT, TARGETS) == []
 
 
@@ -334,11 +343,12 @@ def test_final_stages_run_as_the_pods_numeric_non_root_user(target):
 def test_the_operator_image_has_no_torch_and_the_worker_image_has_it():
     assert torch_in(TEXT, "pat-operator") == []
     assert torch_in(TEXT, "pat-worker") != []  # the positive control of the same check
+    assert torch_in(TEXT, "pat-worker-vllm") != []  # vLLM's torch, and the workers extra beside it
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_final_stages_have_no_compilers_and_put_the_venv_on_path(target):
-    assert build_tools_in(TEXT, target) == []
+    assert build_tools_in(TEXT, target, JIT_TOOLS.get(target, frozenset())) == []
     assert path_problems(TEXT, target) == []
 
 
@@ -350,7 +360,7 @@ def test_image_tags_and_label_are_the_package_version():
 
 def test_every_pod_and_chart_command_is_an_installed_console_script():
     pods = set().union(*(pod_commands(p) for p in EXAMPLES))
-    assert {image for image, _ in pods} == {WORKER_IMAGE}
+    assert {image for image, _ in pods} == {WORKER_IMAGE, VLLM_WORKER_IMAGE}  # examples/vllm.yaml's generator
     commands = {command for _, command in pods} | {operator_command()[0]}
     assert commands == {"pat", "pat-operator"}
     assert scripts_missing(commands, SCRIPTS) == []
@@ -385,7 +395,7 @@ def _append_to(target: str, line: str, text: str = TEXT) -> str:
 
 
 def test_a_missing_stage_is_reported():
-    assert missing_targets(_broken("AS pat-worker", "AS worker"), TARGETS) == ["no stage `FROM ... AS pat-worker`"]
+    assert missing_targets(_broken("AS pat-worker\n", "AS worker\n"), TARGETS) == ["no stage `FROM ... AS pat-worker`"]
     assert missing_targets(TEXT, TARGETS | {image_target("ghcr.io/pat-rlhf/pat-sidecar:1")}) != []
 
 
@@ -425,6 +435,15 @@ def test_torch_in_the_operator_image_is_reported():
                                  "RUN apt-get install -y cuda-nvcc-12-8"])
 def test_compilers_in_a_final_stage_are_reported(bad):
     assert build_tools_in(_append_to("pat-worker", bad), "pat-worker") != []
+
+
+def test_the_vllm_image_may_have_only_what_triton_builds_with():
+    vllm = "pat-worker-vllm"
+    assert build_tools_in(TEXT, vllm) != []  # gcc and python3-dev are there: the allowance is what passes them
+    for bad in ("RUN apt-get install -y build-essential", "RUN apt-get install -y --no-install-recommends cmake",
+                "RUN apt-get install -y cuda-nvcc-12-8"):
+        assert build_tools_in(_append_to(vllm, bad), vllm, JIT_TOOLS[vllm]) != [], bad
+    assert build_tools_in(TEXT, "pat-worker", JIT_TOOLS[vllm]) == []  # the others need no allowance
 
 
 def test_a_base_with_compilers_is_reported():

@@ -173,7 +173,8 @@ def write(run_dir: Path, job: RLHFJob, outcome: dict, baseline_dir: Path | None 
                                   for a in sorted({r.get("attempt", 0) for r in rows})},
         "phase_seconds": {p: sum(r["seconds"].get(p, 0.0) for r in rows) for p in PHASES},
         "regroups": sum(r.get("regroups", 0) for r in rows),
-        "adaptive_tp": job.spec.generator.adaptive_tp.model_dump(by_alias=True),
+        "adaptive_tp": {**job.spec.generator.adaptive_tp.model_dump(by_alias=True),
+                        "enabled": job.spec.generator.adaptive},
         "layouts": layout_time(timeline),
         "learning": learning(rows),
         "learning_score": learning(rows, "score_mean"),  # the reward function alone, without length shaping

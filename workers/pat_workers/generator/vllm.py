@@ -494,7 +494,7 @@ class VllmPod:
         try:
             async with e.session.get("http://engine/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 return await resp.text() if resp.status == 200 else ""
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError):  # RuntimeError: the pod stops
             return ""  # an engine starting or gone: its series are absent from this scrape
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:

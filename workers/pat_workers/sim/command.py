@@ -155,7 +155,7 @@ def _from_job(args: argparse.Namespace) -> Setup:
                         cooldown_seconds=adaptive.cooldown_seconds, plan_seconds=args.plan_seconds)
     about = {"job": job.metadata.name, "rollout_batch": f"{n // alg.samples_per_prompt} prompts x "
              f"{alg.samples_per_prompt} samples per pod", "generator_pods": gen.replicas,
-             "adaptive_tp_enabled": adaptive.enabled}
+             "adaptive_tp_enabled": gen.adaptive}
     trainer_gpus = max(spec.trainer.replicas * spec.trainer.gpus_per_pod, 1)
     return Setup(scenario, shape, costs, trainer_gpus, f"planner ({adaptive.controller})", about)
 
