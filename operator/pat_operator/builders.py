@@ -159,7 +159,9 @@ def pod(job: RLHFJob, uid: str, role: str, index: int, attempt: int) -> Manifest
     container: dict[str, Any] = {
         "name": role, "image": template.image, "imagePullPolicy": template.image_pull_policy,
         "command": template.command or ["pat"], "env": env, "ports": ports, "volumeMounts": mounts,
-        "resources": _resources(template), "securityContext": _container_security()}
+        "resources": _resources(template), "securityContext": _container_security(),
+        # A failed worker's last words (its log's tail) become the container's termination message, and so the job's.
+        "terminationMessagePolicy": "FallbackToLogsOnError"}
     if template.command is None:
         container["args"] = args
     if probe is not None:
@@ -176,7 +178,7 @@ def pod(job: RLHFJob, uid: str, role: str, index: int, attempt: int) -> Manifest
             "name": "prepare", "image": template.image, "imagePullPolicy": template.image_pull_policy,
             "command": ["pat"], "args": commands.prepare_args(SPEC_FILE, model_dir),
             "env": [{"name": "HOME", "value": "/tmp"}], "volumeMounts": mounts[:3],
-            "securityContext": _container_security()}]
+            "securityContext": _container_security(), "terminationMessagePolicy": "FallbackToLogsOnError"}]
     sched = spec.scheduling
     for key, value in (("schedulerName", sched.scheduler_name), ("priorityClassName", sched.priority_class_name)):
         if value:

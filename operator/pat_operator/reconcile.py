@@ -62,8 +62,10 @@ def pod_view(pod: dict[str, Any]) -> PodView:
     for c in (status.get("initContainerStatuses") or []) + containers:
         term = (c.get("state") or {}).get("terminated")
         if term and term.get("exitCode", 0) != 0:
+            # The message's last line: a worker's log tail (FallbackToLogsOnError) ends with why it failed.
+            last = (term.get("message") or "").strip().rpartition("\n")[2]
             failure = f"container {c['name']} exited with code {term['exitCode']}" + "".join(
-                f" ({term[k]})" for k in ("reason", "message") if term.get(k))
+                f" ({v})" for v in (term.get("reason"), last) if v)
             break
     phase = status.get("phase", "Pending")
     if phase == "Failed" and failure is None:

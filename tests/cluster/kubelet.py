@@ -437,6 +437,14 @@ class ProcessKubelet:
         run = self._run_named(namespace, pod)
         return [c.process.pid for c in run.containers if c.state == "running"] if run else []
 
+    def _termination_message(self, run: PodRun, c: Container) -> str:
+        """terminationMessagePolicy FallbackToLogsOnError: a failed container's last 80 log lines, at most 2048
+        bytes, as the real kubelet takes them (there is no termination-message file here: policy File gives none)."""
+        if c.exit_code == 0 or c.spec.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+            return ""
+        lines = self.log(run.namespace, run.name, c.name).splitlines(keepends=True)[-80:]
+        return "".join(lines).encode()[-2048:].decode(errors="ignore")
+
     def log_path(self, namespace: str, pod: str, container: str) -> Path:
         return self.root / "logs" / f"{namespace}_{pod}_{container}.log"
 
@@ -734,6 +742,7 @@ class ProcessKubelet:
             c.reason = "Completed" if c.exit_code == 0 else "Error"
             c.ready = False
             c.state = "terminated"
+            c.message = self._termination_message(run, c)
             if self._restarts(run, c):
                 c.last_state = self._container_status(c)["state"]
                 delay = min(BACKOFF_SECONDS * 2 ** c.restarts, BACKOFF_MAX_SECONDS)

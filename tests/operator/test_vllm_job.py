@@ -101,6 +101,23 @@ def test_a_vllm_job_syncs_weights_every_iteration_resumes_after_a_pod_kill_and_s
     assert sum(stale) / len(stale) > 10 * GAP_TOL, stale
 
 
+def test_a_model_vllm_cannot_load_fails_the_job_with_vllms_own_message(jobs, cluster, prometheus, model_dir):
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
+    name = "vllm-bad"
+    jobs.core.create_namespaced_persistent_volume_claim(jobs.namespace, claim(name))
+    doc = vllm_job(name, model_dir, vllm_python(), prometheus.url)
+    doc["spec"]["runPolicy"]["backoffLimit"] = 0
+    jobs.create(doc)
+    job = jobs.wait(name, phase("Failed"), "Failed", timeout=240)
+    failed = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "BackoffLimitExceeded", failed
+    # The generator pod's last words, through its termination message: vLLM's own error, not just an exit code.
+    assert (f"{name}-generator-0: container generator exited with code 1 (Error) (pat generator: vLLM engine 0 "
+            f"exited with code 1: ") in failed["message"], failed
+    assert "Model architectures ['NoSuchModelForCausalLM'] are not supported" in failed["message"], failed
+
+
 PROBE = """
 import json, os, socket, sys, urllib.error, urllib.request
 def post(url, token=None):

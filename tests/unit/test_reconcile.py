@@ -196,6 +196,9 @@ def test_pod_view_reads_exit_codes_and_readiness():
     v = pod_view(pod)
     assert (v.role, v.index, v.attempt, v.started, v.ready) == ("trainer", 0, 2, True, False)
     assert v.failure == "container trainer exited with code 137 (Error)"
+    # A log tail as the termination message (FallbackToLogsOnError): its last line says why.
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = "Traceback ...\n  x\nValueError: bad\n"
+    assert pod_view(pod).failure == "container trainer exited with code 137 (Error) (ValueError: bad)"
 
 
 def test_changing_an_immutable_field_fails_the_job_but_run_policy_may_change():
