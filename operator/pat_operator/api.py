@@ -405,6 +405,10 @@ class Generator(PodTemplate):
         if n % tp:
             raise ValueError(f"generator.vllm.tensorParallelSize={tp} does not divide the {n} ranks per pod; use one "
                              f"of {[t for t in range(1, n + 1) if n % t == 0]}")
+        if self.vllm.max_model_len is not None and self.vllm.max_model_len < self.max_seq:
+            raise ValueError(f"generator.vllm.maxModelLen={self.vllm.max_model_len} is below generator.maxSeq="
+                             f"{self.max_seq}: vLLM would refuse the longest sequences; raise it to at least "
+                             f"{self.max_seq} or leave it out (default: maxSeq)")
         if self.engine == "vllm" and self.adaptive_tp.enabled:
             raise ValueError("generator.adaptiveTP.enabled: true needs generator.engine: pat; vLLM cannot change "
                              "tensor_parallel_size at runtime (a running engine's TP is fixed), so adaptive TP is "

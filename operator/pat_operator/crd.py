@@ -170,6 +170,9 @@ def _rules() -> dict[str, list[tuple[str, str]]]:
              "gpusPerPod)"),
             (_when(["vllm.tensorParallelSize"], _vllm_tp_rule()),
              "generator.vllm.tensorParallelSize must divide the ranks per pod (ranksPerPod, else gpusPerPod)"),
+            (_when(["vllm.maxModelLen"], f"self.vllm.maxModelLen >= {_value('maxSeq', api.Generator)}"),
+             "generator.vllm.maxModelLen is below generator.maxSeq: vLLM would refuse the longest sequences; raise "
+             "it or leave it out"),
             (_when(["engine", "adaptiveTP.enabled"], "self.engine != 'vllm' || !self.adaptiveTP.enabled"),
              "generator.adaptiveTP.enabled: true needs generator.engine: pat (vLLM cannot change its TP at runtime); "
              "set adaptiveTP.enabled: false or leave it out"),

@@ -90,7 +90,11 @@ def test_adaptive_tp_defaults_to_on_with_engine_pat_only(engine, enabled, adapti
      "tensor_parallel_size at runtime (a running engine's TP is fixed), so adaptive TP is this project's engine's "
      "feature; set adaptiveTP.enabled: false or leave it out",
      ".spec.generator: generator.adaptiveTP.enabled: true needs generator.engine: pat"),
-], ids=["tp-does-not-divide-ranks", "adaptive-tp-with-vllm"])
+    (with_vllm(maxModelLen=100),
+     "spec.generator: generator.vllm.maxModelLen=100 is below generator.maxSeq=128: vLLM would refuse the longest "
+     "sequences; raise it to at least 128 or leave it out (default: maxSeq)",
+     ".spec.generator: generator.vllm.maxModelLen is below generator.maxSeq"),
+], ids=["tp-does-not-divide-ranks", "adaptive-tp-with-vllm", "max-model-len-below-max-seq"])
 def test_cross_field_errors_name_the_field_and_the_fix_in_the_models_and_the_crd(doc, model_error, crd_error):
     assert model_error in refused(doc)
     assert any(e.startswith(crd_error) for e in cel(doc)), cel(doc)
@@ -212,7 +216,7 @@ def test_the_vllm_estimate_counts_the_weights_shard_and_one_sequence_of_kv():
     assert m.terms[1] == (f"KV cache ({blocks // 576} x 9216 tokens)", blocks * 16 * 64 * KIB)
     assert fit.generator_memory(s, LLAMA).terms[1] == ("KV cache (at least 1 x 9216 tokens)", kv)
     # maxModelLen, when set, is the sequence counted
-    assert fit.need(llama_vllm(2, maxModelLen=1024), LLAMA, "generator") == weights + 1024 * 64 * KIB
+    assert fit.need(llama_vllm(2, maxModelLen=16384), LLAMA, "generator") == weights + 16384 * 64 * KIB
     assert fit.problems(s, LLAMA, {"generator": fit.GPUS["H100-SXM"]}) == []
 
 

@@ -231,6 +231,7 @@ class VllmPod:
         self._tasks: set[asyncio.Task] = set()
         self._stopping = threading.Event()
         self._on_exit: Callable[[], None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # serve's, from start()
         self.registry = CollectorRegistry()
         r = self.registry
         self.m_version = Gauge(names.GENERATOR_POLICY_VERSION, "Policy version of the weights the engines hold",
@@ -360,10 +361,11 @@ class VllmPod:
 
     def submit(self, rollouts: RolloutBatch) -> BatchStatus:
         self._check_up()
-        for i, r in enumerate(rollouts.requests):
-            if r.prompt_token_ids is not None and len(r.prompt_token_ids) >= self.config.max_model_len:
-                raise Invalid(f"requests.{i}.prompt_token_ids: {len(r.prompt_token_ids)} tokens leave no room to "
-                              f"generate within maxModelLen={self.config.max_model_len}")
+        for i, r in enumerate(rollouts.requests):  # vLLM would refuse it, failing the batch (text: vLLM counts)
+            if r.prompt_token_ids is not None and len(r.prompt_token_ids) + r.sampling.max_tokens > \
+                    self.config.max_model_len:
+                raise Invalid(f"requests.{i}: {len(r.prompt_token_ids)} prompt tokens + max_tokens="
+                              f"{r.sampling.max_tokens} exceed maxModelLen={self.config.max_model_len}")
         self._refuse_while_busy("a new batch")
         if rollouts.policy_version != self.policy_version:
             raise Conflict(f"policy_version: the batch asks for version {rollouts.policy_version}, the pod holds "
