@@ -125,6 +125,10 @@ def _listening_inodes() -> set[str]:
 
 def test_metrics_carry_vllms_own_series_per_engine(vllm_pod):
     vllm_pod.generate("for-metrics", [rollout(f"m{i}", [256, i + 1, 2], 6) for i in range(4)])
+    deadline = time.monotonic() + 10  # the pod reads its engines' metrics every 0.5 s
+    while not all(vllm_pod.metrics().get(("vllm:generation_tokens_total", (("engine", e), ("model_name", "policy"))))
+                  for e in ("0", "1")) and time.monotonic() < deadline:
+        time.sleep(0.2)
     metrics = vllm_pod.metrics()
     for engine in ("0", "1"):
         labels = (("engine", engine), ("model_name", "policy"))

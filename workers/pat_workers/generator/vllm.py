@@ -15,7 +15,8 @@ a pod of this project's engine, except that it never regroups (vLLM cannot chang
   reloads them (collective_rpc reload_weights) and drops its prefix cache (KV of the old weights), between
   batches. No volume is shared with the trainer. vLLM's NCCL weight transfer (init_weight_transfer_engine) would
   skip the host copy on GPUs but needs vLLM in the trainer's image; it is not used (docs/limits.md).
-- /metrics: the pod's own pat_generator_* series, then every engine's vllm:* series labelled engine=<index>.
+- /metrics: the pod's own pat_generator_* series, then every engine's vllm:* series labelled engine=<index> (read
+  from the engines every 0.5 s, so that a scrape never waits on a busy engine).
 - Anything else under /v1 (completions, chat, models, ...) is proxied to an engine behind the job's token, so
   vLLM's OpenAI API stays usable against the current policy (model name "policy").
 """
@@ -58,6 +59,7 @@ log = logging.getLogger("pat.generator.vllm")
 
 SERVED_MODEL = "policy"
 START_TIMEOUT_SECONDS = 600.0  # loading a large model from a network volume can take minutes
+METRICS_PERIOD_SECONDS = 0.5  # how often the engines' /metrics are read (a scrape gets the last ones)
 LOG_TAIL_LINES = 40  # of each engine's output, kept for the failure message
 KEPT_BATCHES = 8
 PROXIED_HEADERS = ("Content-Type", "Accept")
@@ -232,6 +234,7 @@ class VllmPod:
         self._stopping = threading.Event()
         self._on_exit: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # serve's, from start()
+        self._engine_metrics: list[str] = []  # each engine's last /metrics text
         self.registry = CollectorRegistry()
         r = self.registry
         self.m_version = Gauge(names.GENERATOR_POLICY_VERSION, "Policy version of the weights the engines hold",
@@ -266,6 +269,8 @@ class VllmPod:
     async def _run(self) -> None:
         try:
             await self._start_engines()
+            self._engine_metrics = [""] * len(self._engines)
+            self._spawn(self._collect_metrics())
             self.ready = True
             log.info("ready: %d vLLM engine(s) of TP=%d", self.config.engines, self.config.tp)
             while not self._stopping.is_set():
@@ -485,11 +490,19 @@ class VllmPod:
             if resp.status != 200:
                 raise RuntimeError(f"vLLM engine {e.index} {path}: HTTP {resp.status}: {await resp.text()}")
 
-    async def metrics(self) -> bytes:
-        texts = await asyncio.gather(*(self._metrics_of(e) for e in self._engines))
+    def metrics(self) -> bytes:
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Families(relabel(list(texts))))
+        registry.register(_Families(relabel(self._engine_metrics)))
         return generate_latest(self.registry) + generate_latest(registry)
+
+    async def _collect_metrics(self) -> None:
+        """Keeps the engines' latest /metrics texts. A scrape is answered from them at once: asked of vLLM during a
+        scrape, a busy engine's API process (sharing the CPUs with its workers) can take longer than Prometheus' 1 s
+        scrape timeout, so the series would vanish exactly while the queue is deep."""
+        while not self._stopping.is_set():
+            texts = await asyncio.gather(*(self._metrics_of(e) for e in self._engines))
+            self._engine_metrics = [new or old for new, old in zip(texts, self._engine_metrics)]
+            await asyncio.sleep(METRICS_PERIOD_SECONDS)
 
     @staticmethod
     async def _metrics_of(e: _Engine) -> str:
@@ -541,7 +554,7 @@ def make_vllm_app(pod: VllmPod, token: str) -> web.Application:
         return web.json_response({"status": "ready"})
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=await pod.metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=pod.metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     return pod_app(token, [
         web.post("/v1/rollouts", submit), web.get("/v1/rollouts/{batch_id}", batch_status),
