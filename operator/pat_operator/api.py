@@ -548,8 +548,8 @@ class RLHFJobStatus(_Status):
     completion_time: str | None = None
     tp: str = Field("", description="the generator pods' TP layouts, e.g. 2+1+1 4")
     generators: list[GeneratorPodStatus] = []
-    spec_hash: str | None = Field(None, description="hash of the spec the pods run (all but runPolicy, which may "
-                                                    "change)")
+    spec_hash: str | None = Field(None, description="hash of the spec as written (all but runPolicy, which may "
+                                  "change; defaults left out, so that an operator upgrade keeps running jobs)")
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:

@@ -177,7 +177,9 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
         return book.decision(delete_pods=live)
 
     digest = spec_hash(job)
-    if status.spec_hash not in (None, digest):  # CEL refuses such an edit on Kubernetes >= 1.25; older servers don't
+    # A hash without the prefix was taken by an operator before SPEC_HASH_PREFIX, over the defaults of its release:
+    # it cannot be compared, so it is taken over. CEL refuses such an edit on Kubernetes >= 1.25; older servers don't.
+    if status.spec_hash not in (None, digest) and status.spec_hash.startswith(SPEC_HASH_PREFIX):
         msg = ("a spec field other than runPolicy changed while the job ran; they are immutable: delete and "
                "re-create the job")
         book.finish(FAILED, "ImmutableFieldChanged", msg, Event("Warning", "ImmutableFieldChanged", msg))
@@ -282,9 +284,15 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
     return book.decision(ensure=ensure, create_pods=create, wake_after=wake_after)
 
 
+SPEC_HASH_PREFIX = "w1:"  # hashes of what the user wrote
+
+
 def spec_hash(job: RLHFJob) -> str:
-    spec = job.spec.model_dump(by_alias=True, exclude={"run_policy"})
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    """The hash of the spec as the user wrote it, runPolicy aside (the CRD has no schema defaults: the stored object
+    holds only what was written). Defaults are left out, so an operator release that adds a field or changes a
+    default keeps every running job's hash."""
+    spec = job.spec.model_dump(by_alias=True, exclude={"run_policy"}, exclude_unset=True)
+    return SPEC_HASH_PREFIX + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def phase_of(conditions: list[Condition]) -> str:

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import yaml
 
-from pat_operator import builders
-from pat_operator.reconcile import Observed, PodView, Settings, decide, pod_view, restart_backoff
+from pat_operator import api, builders
+from pat_operator.api import parse_job
+from pat_operator.reconcile import SPEC_HASH_PREFIX, Observed, PodView, Settings, decide, pod_view, restart_backoff
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "local.yaml"
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -199,6 +200,32 @@ def test_pod_view_reads_exit_codes_and_readiness():
     # A log tail as the termination message (FallbackToLogsOnError): its last line says why.
     pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = "Traceback ...\n  x\nValueError: bad\n"
     assert pod_view(pod).failure == "container trainer exited with code 137 (Error) (ValueError: bad)"
+
+
+def test_an_operator_release_with_other_defaults_keeps_running_jobs(monkeypatch):
+    """The spec hash covers what the user wrote: a new default (here generator.memoryUtilization's) leaves it alone,
+    and a hash an older operator took over its defaults is taken over rather than failing the job."""
+    doc = body()
+    gang = pods_of(step(doc, [], T0))
+    written = step(doc, gang, T0).status["specHash"]
+    assert written.startswith(SPEC_HASH_PREFIX)
+    full = parse_job(doc).spec.model_dump()  # what a hash over the defaults would cover
+    field = api.Generator.model_fields["memory_utilization"]
+    monkeypatch.setattr(field, "default", 0.5)
+    for model in (api.Generator, api.RLHFJobSpec, api.RLHFJob):
+        model.model_rebuild(force=True)
+    try:
+        assert parse_job(doc).spec.generator.memory_utilization == 0.5  # the release's new default applies
+        assert parse_job(doc).spec.model_dump() != full  # so a hash over the defaults would have failed the job
+        d = step(doc, gang, T0 + timedelta(seconds=1))
+        assert d.status["phase"] == "Running" and d.status["specHash"] == written
+    finally:
+        monkeypatch.undo()
+        for model in (api.Generator, api.RLHFJobSpec, api.RLHFJob):
+            model.model_rebuild(force=True)
+    doc["status"]["specHash"] = "0123456789abcdef"  # an older operator's hash, over its own defaults
+    d = step(doc, gang, T0 + timedelta(seconds=2))
+    assert d.status["phase"] == "Running" and d.status["specHash"] == written
 
 
 def test_changing_an_immutable_field_fails_the_job_but_run_policy_may_change():
