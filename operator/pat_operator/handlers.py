@@ -28,7 +28,7 @@ from . import metric_names as names
 from .api import GROUP, PHASES, VERSION, GeneratorPodStatus, JobSpecError, RLHFJobStatus
 from .autoscaler import AutoscaleSettings, Autoscaler
 from .operator_metrics import OperatorMetrics
-from .podclient import PodClient
+from .podclient import PodClient, PodError
 from .prometheus import PrometheusError, query, queue_depths, queue_queries
 from .reconcile import Decision, Observed, Settings, decide, parse_body, pod_view
 
@@ -284,7 +284,7 @@ class _Observer:
         port = (spec.get("generator") or {}).get("port", 8000)
         try:
             state = await PodClient(f"http://{pod.ip}:{port}", self.token, self.m.session).state()
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except (aiohttp.ClientError, asyncio.TimeoutError, PodError):
             return
         old = self.generators.get(pod.name) or GeneratorPodStatus(pod=pod.name)
         self.generators[pod.name] = old.model_copy(update={"layout": state.layout, "applied_epoch": state.epoch})

@@ -1,15 +1,18 @@
 """An async client of the generator pod's HTTP API (podapi.py): the trainer and the operator both use it.
 
-aiohttp: the same stack as kopf and the pod's server. Errors carry the HTTP status and the pod's message.
+aiohttp: the same stack as kopf and the pod's server. Errors carry the HTTP status and the pod's message: its JSON
+"error", else the start of whatever came back (a proxy's error page, an empty body). A reply that is not the
+expected payload is a PodError too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import TypeVar
 
 import aiohttp
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from .podapi import BatchStatus, PodState, RegroupAck, RegroupPlan, RolloutBatch, WeightUpdate
 
@@ -33,10 +36,18 @@ class PodClient:
         async with self.session.request(method, url, headers=self.headers, params=params,
                                         json=body.model_dump() if body else None,
                                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            payload = await resp.json(content_type=None)
-            if resp.status >= 400:
-                raise PodError(url, resp.status, (payload or {}).get("error", str(payload)))
+            text = await resp.text()
+        try:
+            payload = json.loads(text)
+        except ValueError:  # a proxy's HTML error page, an empty body
+            payload = None
+        if resp.status >= 400:
+            error = payload.get("error") if isinstance(payload, dict) else None
+            raise PodError(url, resp.status, str(error) if error else text.strip()[:200] or resp.reason or "no body")
+        try:
             return model.model_validate(payload)
+        except ValidationError:
+            raise PodError(url, resp.status, f"not a {model.__name__}: {text.strip()[:200]!r}") from None
 
     async def state(self) -> PodState:
         return await self._call("GET", "/v1/state", PodState, timeout=10)
