@@ -91,15 +91,15 @@ class Autoscaler:
         if self.url is None:
             return MetricsState("False", "NoPrometheusURL", "set spec.generator.adaptiveTP.prometheus.url or the "
                                 "operator's --prometheus-url")
-        data_query, time_query = selectors(self.namespace, list(ready))
+        data_query, age_query = selectors(self.namespace, list(ready))
         timeout = self.settings.query_timeout_seconds
         try:
-            series, scrapes = await asyncio.gather(query(self.session, self.url, data_query, timeout),
-                                                   query(self.session, self.url, time_query, timeout))
+            series, ages = await asyncio.gather(query(self.session, self.url, data_query, timeout),
+                                                query(self.session, self.url, age_query, timeout))
         except PrometheusError as e:
             self.counters.prometheus_errors.labels(e.reason).inc()
             return MetricsState("False", e.reason, f"{e}; keeping the current TP layouts")
-        found, skipped = pod_metrics(series, scrapes, time.time(), self.settings.max_age_seconds)
+        found, skipped = pod_metrics(series, ages, self.settings.max_age_seconds)
         skipped.update({pod: "no samples" for pod in ready if pod not in found and pod not in skipped})
         for pod, m in found.items():
             self._consider(pod, ready[pod], m)

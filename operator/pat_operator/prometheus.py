@@ -1,10 +1,11 @@
 """What the operator reads from Prometheus about a job's generator pods: one instant query for the planner's
-inputs and one for when each pod was last scraped, turned (purely) into a PodMetrics per pod; and, for the status,
-the requests running and waiting per pod, from either engine's metrics (queue_queries, queue_depths).
+inputs and one for how long ago each pod was last scraped, turned (purely) into a PodMetrics per pod; and, for the
+status, the requests running and waiting per pod, from either engine's metrics (queue_queries, queue_depths).
 
 Series are selected by the `namespace` and `pod` target labels, which every Kubernetes scrape setup attaches
 (kubernetes_sd relabelling, a PodMonitor). A pod whose last scrape is older than `max_age` is stale: left out,
-never planned for.
+never planned for. The age is Prometheus' own arithmetic (`time() - timestamp(...)`, both its clock), so a skew
+between the operator's clock and Prometheus' does not make pods stale or fresh.
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ def pod_matchers(namespace: str, pods: Sequence[str]) -> str:
 
 
 def selectors(namespace: str, pods: Sequence[str]) -> tuple[str, str]:
-    """The two queries: the planner's inputs, and each pod's last scrape time."""
+    """The two queries: the planner's inputs, and the seconds since each pod's last scrape."""
     match = pod_matchers(namespace, pods)
     return (f'{{__name__=~"{"|".join(INPUTS)}",{match}}}',
-            f'timestamp({names.GENERATOR_LAYOUT_EPOCH}{{{match}}})')
+            f'time() - timestamp({names.GENERATOR_LAYOUT_EPOCH}{{{match}}})')
 
 
 def queue_queries(namespace: str, pods: Sequence[str]) -> tuple[str, str]:
@@ -114,17 +115,16 @@ async def query(session: aiohttp.ClientSession, url: str, promql: str, timeout: 
     return body["data"]["result"]
 
 
-def pod_metrics(series: list[dict], scrapes: list[dict], now: float, max_age: float
-                ) -> tuple[dict[str, PodMetrics], dict[str, str]]:
-    """Per pod name, its metrics; and per pod left out, why (stale, or missing an input)."""
-    scraped = {s["metric"].get("pod", ""): float(s["value"][1]) for s in scrapes}
+def pod_metrics(series: list[dict], ages: list[dict], max_age: float) -> tuple[dict[str, PodMetrics], dict[str, str]]:
+    """Per pod name, its metrics; and per pod left out, why (stale, or missing an input). `ages`: the second query's
+    result, seconds since each pod's last scrape."""
+    age = {s["metric"].get("pod", ""): float(s["value"][1]) for s in ages}
     by_pod: dict[str, list[tuple[dict, float]]] = defaultdict(list)
     for s in series:
         by_pod[s["metric"].get("pod", "")].append((s["metric"], float(s["value"][1])))
     out, skipped = {}, {}
     for pod, samples in by_pod.items():
-        at = scraped.get(pod)
-        if at is None or now - at > max_age:
+        if age.get(pod, math.inf) > max_age:
             skipped[pod] = f"stale: no scrape in the last {max_age:g} s"  # no age: the message must stay put
             continue
         try:

@@ -35,12 +35,13 @@ def pod_series(pod="job-generator-0", running=(1, 1), generated=(300, 300), batc
     return out
 
 
-def scraped(pod="job-generator-0", at=NOW - 0.5):
-    return [{"metric": {"namespace": "ns", "pod": pod}, "value": [NOW, str(at)]}]
+def scraped(pod="job-generator-0", age=0.5):
+    """The age query's answer: seconds since the pod's last scrape, as Prometheus computes them."""
+    return [{"metric": {"namespace": "ns", "pod": pod}, "value": [NOW, str(age)]}]
 
 
 def test_metrics_become_the_planners_inputs():
-    found, skipped = pod_metrics(pod_series(running=(2, 1)), scraped(), NOW, max_age=5)
+    found, skipped = pod_metrics(pod_series(running=(2, 1)), scraped(), max_age=5)
     assert not skipped
     m = found["job-generator-0"]
     assert m.layout == (1, 1) and m.epoch == 3 and m.batch_open and m.max_tokens == 512
@@ -52,32 +53,32 @@ def test_metrics_become_the_planners_inputs():
 
 
 def test_the_tail_merges_and_nothing_happens_without_an_open_batch():
-    found, _ = pod_metrics(pod_series(), scraped(), NOW, max_age=5)
+    found, _ = pod_metrics(pod_series(), scraped(), max_age=5)
     decision = decide(found["job-generator-0"], [1, 2], margin=0.1)
     assert decision.layout == (2,), decision.reason
-    found, _ = pod_metrics(pod_series(batch_open=0), scraped(), NOW, max_age=5)
+    found, _ = pod_metrics(pod_series(batch_open=0), scraped(), max_age=5)
     assert decide(found["job-generator-0"], [1, 2], margin=0.1).layout is None
     # Negative control: with TP=2 not allowed the same tail stays.
-    found, _ = pod_metrics(pod_series(), scraped(), NOW, max_age=5)
+    found, _ = pod_metrics(pod_series(), scraped(), max_age=5)
     assert decide(found["job-generator-0"], [1], margin=0.1).layout is None
 
 
 def test_stale_and_incomplete_pods_are_left_out_with_the_reason():
     series = pod_series() + pod_series("job-generator-1")
-    found, skipped = pod_metrics(series, scraped() + scraped("job-generator-1", at=NOW - 30), NOW, max_age=5)
+    found, skipped = pod_metrics(series, scraped() + scraped("job-generator-1", age=30), max_age=5)
     assert list(found) == ["job-generator-0"]
     assert skipped == {"job-generator-1": "stale: no scrape in the last 5 s"}
-    found, skipped = pod_metrics(pod_series(), [], NOW, max_age=5)
+    found, skipped = pod_metrics(pod_series(), [], max_age=5)
     assert not found and "stale" in skipped["job-generator-0"]
     broken = [s for s in pod_series() if s["metric"]["__name__"] != names.GENERATOR_REGROUP_COST]
-    found, skipped = pod_metrics(broken, scraped(), NOW, max_age=5)
+    found, skipped = pod_metrics(broken, scraped(), max_age=5)
     assert not found and "incomplete metrics" in skipped["job-generator-0"]
 
 
 def test_selectors_name_the_pods_and_every_input():
     data, times = selectors("ns", ["b", "a"])
     assert 'namespace="ns",pod=~"a|b"' in data and names.GENERATOR_PROFILE_STEP_SECONDS in data
-    assert times.startswith(f"timestamp({names.GENERATOR_LAYOUT_EPOCH}{{")
+    assert times.startswith(f"time() - timestamp({names.GENERATOR_LAYOUT_EPOCH}{{")  # ages by Prometheus' clock
 
 
 def test_selectors_match_a_dotted_pod_name_literally():

@@ -34,7 +34,7 @@ async def _round(pod_answers: list[tuple[int, dict]], prometheus_status: int = 2
     async def query(request: web.Request) -> web.Response:
         if prometheus_status != 200:
             return web.json_response({"status": "error", "error": "overloaded"}, status=prometheus_status)
-        data = scraped(POD, at=NOW) if request.query["query"].startswith("timestamp(") else pod_series(POD)
+        data = scraped(POD, age=0) if request.query["query"].startswith("time() - timestamp(") else pod_series(POD)
         return web.json_response({"status": "success", "data": {"resultType": "vector", "result": data}})
 
     async def regroup(request: web.Request) -> web.Response:
