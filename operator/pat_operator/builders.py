@@ -48,13 +48,31 @@ def names(job: RLHFJob) -> dict[str, str]:
     return {"spec": f"{n}-spec", "token": f"{n}-token", "service": n, "podgroup": n}
 
 
+DNS_LABEL_MAX = 63  # a hostname, a label value
+
+
+def fit_label(name: str, limit: int = DNS_LABEL_MAX) -> str:
+    """`name`, or when longer than `limit` its start and a stable hash of the whole (`<start>-<8 hex>`): a valid
+    DNS label or label value for any valid job name (one of 63 characters makes `<job>-generator-0` 73)."""
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[:limit - 9].rstrip('-.')}-{digest}"
+
+
 def pod_name(job: RLHFJob, role: str, index: int) -> str:
+    """The pod's name (a DNS subdomain: up to 253 characters, so the job's whole name fits)."""
     return f"{job.metadata.name}-{role}-{index}"
+
+
+def pod_hostname(job: RLHFJob, role: str, index: int) -> str:
+    """The pod's hostname, a DNS label: its name, shortened when longer than 63 characters."""
+    return fit_label(pod_name(job, role, index))
 
 
 def pod_host(job: RLHFJob, role: str, index: int) -> str:
     """The pod's DNS name through the job's headless Service."""
-    return f"{pod_name(job, role, index)}.{job.metadata.name}.{job.metadata.namespace}.svc"
+    return f"{pod_hostname(job, role, index)}.{job.metadata.name}.{job.metadata.namespace}.svc"
 
 
 def expected_pods(job: RLHFJob) -> list[tuple[str, int]]:
@@ -168,7 +186,7 @@ def pod(job: RLHFJob, uid: str, role: str, index: int, attempt: int) -> Manifest
         container["readinessProbe"] = probe
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",  # the operator restarts the whole gang, never one pod
-        "hostname": name, "subdomain": job.metadata.name,
+        "hostname": pod_hostname(job, role, index), "subdomain": job.metadata.name,
         "automountServiceAccountToken": False, "enableServiceLinks": False,
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
                             "seccompProfile": {"type": "RuntimeDefault"}},
@@ -201,7 +219,7 @@ def _gang_metadata(job: RLHFJob, attempt: int, pod_labels: dict[str, str]) -> di
     sched, annotations = job.spec.scheduling, {}
     if sched.gang and sched.queue_name:
         pod_labels[KUEUE_QUEUE] = sched.queue_name
-        pod_labels[KUEUE_GROUP] = f"{job.metadata.name}-{attempt}"
+        pod_labels[KUEUE_GROUP] = fit_label(f"{job.metadata.name}-{attempt}")
         annotations[KUEUE_TOTAL] = str(len(expected_pods(job)))
     if sched.gang and sched.scheduler_name == "volcano":
         annotations[VOLCANO_GROUP] = names(job)["podgroup"]

@@ -17,6 +17,16 @@ from .harness import SERVICE_ACCOUNT, SYSTEM_NAMESPACE, OperatorProcess
 pytestmark = pytest.mark.cluster
 
 
+def test_a_job_with_the_longest_valid_name_runs(jobs):
+    """63 characters: <job>-generator-0 would be a 73-character hostname, which the API server refuses; the pods'
+    hostnames are shortened with a hash of the whole name, and the gang runs."""
+    name = "long-" + "x" * 58
+    jobs.create(job_doc(name, SLEEP, SERVE))
+    jobs.wait(name, phase("Running"), "Running")
+    hostnames = [p.spec.hostname for p in jobs.pods(name)]
+    assert len(hostnames) == 2 and all(len(h) <= 63 for h in hostnames), hostnames
+
+
 def test_children_are_owned_labelled_and_the_gang_runs_when_all_are_ready(jobs, cluster):
     created = jobs.create(job_doc("gang", SLEEP, SERVE))
     job = jobs.wait("gang", phase("Running"), "Running")

@@ -1,5 +1,6 @@
 """Pure pod / service / secret builders: owners, labels, env, resources, security, gang metadata."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,23 @@ def test_configmap_holds_the_validated_spec_with_defaults_and_the_token_is_deriv
     assert builders.token_secret(j, "u", a)["stringData"] == {"token": a}
     svc = builders.headless_service(j, "u")["spec"]
     assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"]
+
+
+def test_every_generated_hostname_and_label_value_is_valid_for_the_longest_job_name():
+    name = "a" * 40 + "-" + "b" * 22  # 63 characters: the longest valid job name
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = name
+    doc["spec"]["generator"]["replicas"] = 2
+    doc["spec"]["scheduling"] = {"queueName": "team-a"}
+    j = parse_job(doc).model_copy(update={"metadata": parse_job(doc).metadata.model_copy(update={"namespace": "ns"})})
+    pods = [builders.pod(j, "u", role, i, 12) for role, i in builders.expected_pods(j)]
+    label = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    hostnames = [p["spec"]["hostname"] for p in pods]
+    assert all(len(h) <= 63 and label.match(h) for h in hostnames), hostnames
+    assert len(set(hostnames)) == len(pods)  # the hash is of the whole name: generator-0 and -1 stay apart
+    assert [p["metadata"]["name"] for p in pods] == [f"{name}-trainer-0", f"{name}-generator-0", f"{name}-generator-1"]
+    for p in pods:
+        values = p["metadata"]["labels"].values()
+        assert all(len(v) <= 63 and label.match(v) for v in values), p["metadata"]["labels"]
+    assert builders.pod_host(j, "trainer", 0) == f"{hostnames[0]}.{name}.ns.svc"
+    assert builders.fit_label("short-name") == "short-name"  # names that fit are kept as they are
