@@ -116,6 +116,13 @@ def headless_service(job: RLHFJob, uid: str) -> Manifest:
                                {"name": "metrics", "port": TRAINER_METRICS_PORT}]}}
 
 
+def job_objects(job: RLHFJob, uid: str, token: str) -> list[Manifest]:
+    """What the operator keeps for a job besides its pods: the spec ConfigMap, the token Secret, the headless
+    Service, and the Volcano PodGroup when Volcano schedules the gang."""
+    return [m for m in (spec_configmap(job, uid), token_secret(job, uid, token), headless_service(job, uid),
+                        volcano_podgroup(job, uid)) if m]
+
+
 def volcano_podgroup(job: RLHFJob, uid: str) -> Manifest | None:
     sched = job.spec.scheduling
     if not (sched.gang and sched.scheduler_name == "volcano"):

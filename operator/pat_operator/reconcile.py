@@ -187,8 +187,7 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
     book.fields["specHash"] = digest
     if obs.iteration is not None:
         book.fields["iteration"] = obs.iteration
-    ensure = [m for m in (builders.spec_configmap(job, uid), builders.token_secret(job, uid, obs.token),
-                          builders.headless_service(job, uid), builders.volcano_podgroup(job, uid)) if m]
+    ensure = builders.job_objects(job, uid, obs.token)
 
     if policy.suspend:
         if not book.true(SUSPENDED):

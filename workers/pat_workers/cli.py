@@ -3,6 +3,7 @@
   pat run JOB.yaml [--run-dir DIR] [--baseline]   an RLHFJob as local processes (what `make run` calls)
   pat validate JOB.yaml                           checks a job spec; prints each bad field and the fix
   pat plan JOB.yaml [--model-config F] [--gpu G]  memory per GPU of trainer and generator ranks: will it fit?
+  pat manifests JOB.yaml [--namespace NS]         every object the operator would create for the job (YAML)
   pat prepare --job JOB.yaml --model DIR          builds the job's tiny model into DIR (a pod's init container)
   pat simulate JOB.yaml | --preset NAME           adaptive TP vs fixed layouts under a GPU cost model (simulated)
   pat generator ...                               one generator pod (coordinator + engine ranks)
@@ -79,6 +80,29 @@ def _validate(argv: list[str]) -> int:
     return 2 if invalid else 0
 
 
+def _manifests(argv: list[str]) -> int:
+    """The operator's own builders, at the gang's first attempt; the job's uid and token are placeholders (the API
+    server and the operator's key make them)."""
+    import yaml
+
+    from pat_operator import builders
+
+    ap = argparse.ArgumentParser(prog="pat manifests", description="print every object the operator would create "
+                                 "for an RLHFJob (like helm template): the ConfigMap, Secret, Service, PodGroup "
+                                 "and the pods of its first attempt")
+    ap.add_argument("job", help="RLHFJob YAML")
+    ap.add_argument("--namespace", help="default: the job's metadata.namespace, else 'default'")
+    args = ap.parse_args(argv)
+    job = load_job(args.job)
+    namespace = args.namespace or job.metadata.namespace or "default"
+    job = job.model_copy(update={"metadata": job.metadata.model_copy(update={"namespace": namespace})})
+    uid, token = "00000000-0000-0000-0000-000000000000", "<derived by the operator from its key and the job's uid>"
+    objects = builders.job_objects(job, uid, token) + [builders.pod(job, uid, role, i, 0)
+                                                       for role, i in builders.expected_pods(job)]
+    print(yaml.safe_dump_all(objects, sort_keys=False), end="")
+    return 0
+
+
 def _prepare(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="pat prepare", description="build an RLHFJob's tiny model (model.tiny) into "
                                  "a directory; deterministic, so every pod of the job builds the same one")
@@ -115,7 +139,8 @@ def _simulate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"run": _run, "validate": _validate, "plan": _plan, "prepare": _prepare, "simulate": _simulate}
+    commands = {"run": _run, "validate": _validate, "plan": _plan, "manifests": _manifests, "prepare": _prepare,
+                "simulate": _simulate}
     if not argv or argv[0] not in (*commands, "generator", "trainer"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
