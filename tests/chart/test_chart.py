@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import kubernetes
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -165,6 +166,27 @@ def test_chart_crds_and_dashboards_are_the_repositorys(helm):
     assert sorted(d["metadata"]["name"] for d in shown) == [
         "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev", "rlhfjobs.pat.dev"]
     assert sorted(shown, key=str) == sorted(files, key=str)
+
+
+# Kinds of CRDs (prometheus-operator's monitors, kopf's peering): no Kubernetes schema has them.
+CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor", "ClusterKopfPeering", "KopfPeering"}
+
+
+def test_rendered_chart_validates_strictly_against_kubernetes_schemas(helm):
+    """helm template, CRDs and monitors included, against the Kubernetes 1.30 and 1.34 schemas (kubernetes-validate,
+    strict: no unknown field); only the custom kinds have none."""
+    rendered = [*helm.template("--include-crds", "--set", "podMonitor.enabled=true", "--set",
+                               "serviceMonitor.enabled=true"),
+                *helm.template("--set", "watchNamespaces={team-a,team-b}")]
+    unchecked = set()
+    for obj in rendered:
+        for version in ("1.30.0", "1.34.0"):
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.SchemaNotFoundError:
+                unchecked.add(obj["kind"])
+    assert unchecked <= CUSTOM_KINDS, unchecked
+    assert {"Deployment", "ClusterRole", "Role", "CustomResourceDefinition"} <= {o["kind"] for o in rendered}
 
 
 @pytest.mark.cluster
