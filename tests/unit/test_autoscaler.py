@@ -15,7 +15,7 @@ from pat_operator.api import Generator
 from pat_operator.autoscaler import AutoscaleSettings, Autoscaler
 from pat_operator.operator_metrics import OperatorMetrics
 
-from .test_autoscale_inputs import NOW, pod_series, scraped
+from .test_autoscale_inputs import pod_series, scraped
 
 POD = "job-generator-0"
 
