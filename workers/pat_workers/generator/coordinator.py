@@ -35,8 +35,7 @@ from ..engine.generator import GeneratorError, LocalGenerator, StepRecord
 from ..engine.loader import load_tokenizer
 from ..engine.rank import EngineOptions
 from ..engine.sampling import SamplingParams
-from ..weightsync import parse_address
-from .errors import Conflict, Invalid, NotFound, PodError, Unavailable
+from .errors import Conflict, Invalid, NotFound, PodError, Unavailable, check_weight_update
 
 log = logging.getLogger("pat.generator")
 
@@ -417,16 +416,7 @@ class Coordinator:
     def update_weights(self, update: WeightUpdate) -> PodState:
         """Sends the ranks into the trainer's weight broadcast; policy_version follows once all of them hold it."""
         self._refuse_while_busy("new weights")
-        if update.version <= self.gen.policy_version:
-            raise Conflict(f"version: {update.version} is not newer than the pod's policy_version "
-                           f"{self.gen.policy_version}")
-        try:
-            parse_address(update.address)
-        except ValueError as e:
-            raise Invalid(f"address: {e}") from None
-        if update.rank_offset + self.gen.world > update.world:
-            raise Invalid(f"rank_offset: ranks {update.rank_offset}..{update.rank_offset + self.gen.world - 1} of "
-                          f"this pod's {self.gen.world} do not fit in a weight-sync world of {update.world}")
+        check_weight_update(update, self.gen.policy_version, self.gen.world)
         self.gen.update_weights(update.version, update.address, update.world, update.rank_offset, update.backend)
         self._receiving = update.version
         log.info("receiving the weights of version %d from %s (ranks %d..%d of %d)", update.version, update.address,

@@ -32,8 +32,8 @@ import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Literal
 
 import aiohttp
+import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -51,8 +52,9 @@ from pat_operator import metric_names as names
 from pat_operator.podapi import (BatchStatus, Completion, GroupState, PodState, RolloutBatch, RolloutRequest,
                                  WeightUpdate)
 
-from ..weightsync import parse_address
-from .errors import Conflict, Invalid, NotFound, Unavailable
+from ..engine.loader import save_weights, weight_shapes
+from ..weightsync import WeightReceiver
+from .errors import Conflict, Invalid, NotFound, Unavailable, check_weight_update
 from .server import _payload, _reply, _wait_seconds, pod_app
 
 log = logging.getLogger("pat.generator.vllm")
@@ -431,15 +433,7 @@ class VllmPod:
     def update_weights(self, update: WeightUpdate) -> PodState:
         self._check_up()
         self._refuse_while_busy("new weights")
-        if update.version <= self.policy_version:
-            raise Conflict(f"version: {update.version} is not newer than the pod's policy_version "
-                           f"{self.policy_version}")
-        try:
-            parse_address(update.address)
-        except ValueError as e:
-            raise Invalid(f"address: {e}") from None
-        if update.rank_offset >= update.world:
-            raise Invalid(f"rank_offset: {update.rank_offset} is outside a weight-sync world of {update.world}")
+        check_weight_update(update, self.policy_version, receivers=1)
         if update.backend != "gloo":
             raise Invalid(f"backend: {update.backend!r}; a vLLM pod receives the weights in host memory (gloo) and "
                           f"its engines load them from there")
@@ -465,12 +459,7 @@ class VllmPod:
 
     def _receive_files(self, update: WeightUpdate) -> str:
         """Receives the trainer's broadcast into host tensors shaped like the model directory's, and writes them
-        where the engines load them from. Torch is imported here: the pod's API answers without it."""
-        import torch
-
-        from ..engine.loader import save_weights, weight_shapes
-        from ..weightsync import WeightReceiver
-
+        where the engines load them from."""
         if self._receiver is None or (self._receiver.world, self._receiver_address) != (update.world, update.address):
             self._receiver = WeightReceiver(update.address, update.world, update.rank_offset, backend="gloo")
             self._receiver_address = update.address
