@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test run controlplane prometheus helm vllm bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
+.PHONY: test run controlplane prometheus helm vllm grafana-schema bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
         simulate gpu-bench gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -36,7 +36,12 @@ helm: $(STAMP)
 vllm:
 	@scripts/vllm-venv.sh >/dev/null
 
-test: $(STAMP) controlplane prometheus helm vllm
+# Grafana's dashboard schema (npm @grafana/schema 13.2.3) and tsc 5.9.3 in ~/.cache/pat-rlhf, for
+# tests/unit/test_grafana_schema.py (scripts/grafana-schema.sh; apt-get installs nodejs and npm when node is missing).
+grafana-schema:
+	@scripts/grafana-schema.sh >/dev/null
+
+test: $(STAMP) controlplane prometheus helm vllm grafana-schema
 	$(PY) -m pytest -q
 
 # The example RLHFJob as local processes with adaptive TP, then the same job with it off, side by side.

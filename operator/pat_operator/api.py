@@ -449,6 +449,9 @@ class RunPolicy(_Model):
                                                    "is deleted this long after it succeeded or failed")
     suspend: bool = Field(False, description="true deletes the pods and keeps the status; false again resumes "
                                              "from the last checkpoint")
+    pod_deletion_timeout_seconds: int = Field(
+        180, ge=1, description="a pod still Terminating this long after its grace period (its node is lost, so "
+                               "no kubelet confirms the deletion) is force-deleted, so the next attempt can start")
 
 
 class Tokenizer(_Model):

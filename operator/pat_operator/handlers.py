@@ -200,9 +200,9 @@ async def _carry_out(m: Memo, body: dict[str, Any], d: Decision) -> tuple[str, .
     if created:
         m.metrics.pods_created.inc(len(created))
         kopf.event(body, type="Normal", reason="CreatedPods", message=f"created {', '.join(created)}")
-    for pod in d.delete_pods:
+    for pod, grace in [(p, None) for p in d.delete_pods] + [(p, 0) for p in d.force_delete_pods]:
         try:
-            await asyncio.to_thread(core.delete_namespaced_pod, pod, namespace)
+            await asyncio.to_thread(core.delete_namespaced_pod, pod, namespace, grace_period_seconds=grace)
         except ApiException as e:
             if e.status != 404:
                 m.metrics.api_errors.labels("delete").inc()

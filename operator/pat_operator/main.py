@@ -20,7 +20,7 @@ import kopf
 import kubernetes
 from prometheus_client import start_http_server
 
-from . import handlers  # noqa: F401  (registers the handlers)
+from . import builders, handlers  # handlers: registers them
 from .autoscaler import AutoscaleSettings
 from .operator_metrics import OperatorMetrics
 from .reconcile import Settings
@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         # No watching of CRDs and namespaces (nor the RBAC for it): the CRD is installed before the operator, and
         # --namespace names namespaces exactly.
         settings.scanning.disabled = True
+        # Only the job's pods, selected by the API server: kopf's handler filters work on the client side, so
+        # without this every pod of the cluster would stream into the operator.
+        settings.watching.label_selectors["pods"] = builders.LABEL_JOB
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
         if args.metrics_port:

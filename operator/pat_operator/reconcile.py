@@ -14,6 +14,8 @@ does no harm. Conditions are the one source of truth; the phase is derived from 
   (or disappears once the gang has started), every pod of the attempt is deleted and, after an exponential
   backoff, all are created again as the next attempt -- up to runPolicy.backoffLimit restarts, then Failed.
 - The job succeeds when every trainer pod has exited 0; the generators are then deleted.
+- A pod still Terminating runPolicy.podDeletionTimeoutSeconds after its grace period (its node is lost) is
+  force-deleted, with a PodForceDeleted event, so the next attempt does not wait for it forever.
 - A generator pod whose requests (running + waiting, from Prometheus) go from none to some posts GeneratorQueue.
 """
 
@@ -27,7 +29,7 @@ from typing import Any
 
 from . import builders, fit
 from . import metric_names as names
-from .api import Condition, GeneratorPodStatus, JobSpecError, RLHFJob, RLHFJobStatus, parse_job
+from .api import Condition, GeneratorPodStatus, JobSpecError, RLHFJob, RLHFJobStatus, RunPolicy, parse_job
 from .layout import describe
 
 # Condition types, in the order in which they decide the phase.
@@ -47,11 +49,15 @@ class PodView:
     attempt: int
     phase: str  # Pending | Running | Succeeded | Failed | Unknown
     ready: bool
-    deleting: bool
+    deletion: datetime | None  # the deletionTimestamp: when its grace period ends (None: not being deleted)
     started: bool  # a container has run (so the gang has started)
     failure: str | None  # why the pod failed, for people
     ip: str | None = None
     waiting: str | None = None  # why it is not running yet (unschedulable, image pull, ...), for people
+
+    @property
+    def deleting(self) -> bool:
+        return self.deletion is not None
 
 
 def pod_view(pod: dict[str, Any]) -> PodView:
@@ -79,10 +85,12 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         if waiting is None and w and w.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
             waiting = f"{c['name']}: {w['reason']}" + (f": {w['message']}" if w.get("message") else "")
     started = any({"running", "terminated"} & set(c.get("state") or {}) for c in containers)
+    deletion = meta.get("deletionTimestamp")
     return PodView(name=meta["name"], role=labels.get(builders.LABEL_ROLE, ""),
                    index=int(labels.get(builders.LABEL_INDEX, -1)), attempt=int(labels.get(builders.LABEL_ATTEMPT, -1)),
-                   phase=phase, ready=ready and phase == "Running", deleting=bool(meta.get("deletionTimestamp")),
-                   started=started, failure=failure, ip=status.get("podIP"), waiting=waiting)
+                   phase=phase, ready=ready and phase == "Running",
+                   deletion=_time(deletion) if deletion else None, started=started, failure=failure,
+                   ip=status.get("podIP"), waiting=waiting)
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,7 @@ class Decision:
     ensure: list[dict[str, Any]] = field(default_factory=list)  # children that must exist (created once)
     create_pods: list[dict[str, Any]] = field(default_factory=list)
     delete_pods: list[str] = field(default_factory=list)
+    force_delete_pods: list[str] = field(default_factory=list)  # without a grace period: stuck Terminating
     events: list[Event] = field(default_factory=list)
     delete_job: bool = False
     wake_after: float | None = None  # seconds until something is due (a backoff, a deadline, a TTL)
@@ -156,8 +165,26 @@ def decide(obs: Observed, settings: Settings = Settings()) -> Decision:
         live = [p.name for p in obs.pods if not p.deleting and p.phase not in ("Succeeded", "Failed")]
         if not book.true(FAILED):
             book.set(FAILED, "True", "InvalidSpec", str(e), Event("Warning", "InvalidSpec", str(e)))
-        return book.decision(delete_pods=live)
-    return _decide(job, obs, book, settings)
+        return _force_stuck(book.decision(delete_pods=live), obs, RunPolicy().pod_deletion_timeout_seconds)
+    return _force_stuck(_decide(job, obs, book, settings), obs, job.spec.run_policy.pod_deletion_timeout_seconds)
+
+
+def _force_stuck(d: Decision, obs: Observed, timeout: int) -> Decision:
+    """A pod on a lost node stays Terminating forever (no kubelet confirms its deletion), and the next attempt
+    waits for the last one's pods to be gone: past the timeout such a pod is force-deleted."""
+    for p in obs.pods:
+        if p.deletion is None:
+            continue
+        over = (obs.now - p.deletion).total_seconds()
+        if over < timeout:
+            d.wake_after = min(w for w in (d.wake_after, timeout - over) if w is not None)
+            continue
+        d.force_delete_pods.append(p.name)
+        d.events.append(Event("Warning", "PodForceDeleted", (
+            f"pod {p.name} was still Terminating {over:.0f} s after its grace period ended (runPolicy."
+            f"podDeletionTimeoutSeconds={timeout}): its node is likely lost; force-deleted from the API server, "
+            f"its processes may still run there until the node is back")))
+    return d
 
 
 def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Decision:
@@ -372,7 +399,7 @@ class _Book:
 
 
 def _gone(name: str) -> PodView:
-    return PodView(name, "", -1, -1, "Failed", False, False, True, "the pod was deleted")
+    return PodView(name, "", -1, -1, "Failed", False, None, True, "the pod was deleted")
 
 
 def _previous(status: RLHFJobStatus, pod: str) -> GeneratorPodStatus:

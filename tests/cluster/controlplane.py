@@ -37,6 +37,11 @@ REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "controlplane-build.sh"
 STATE_FILE = Path(os.environ.get("PAT_CACHE", Path.home() / ".cache" / "pat-rlhf")) / "controlplane.json"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc"
+# The API server's audit log keeps what service accounts list and watch (with the query string): the tests read it
+# to see what the operator asks the server for. Everything else is not logged.
+AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"], "rules": [
+    {"level": "Metadata", "userGroups": ["system:serviceaccounts"], "verbs": ["list", "watch"]},
+    {"level": "None"}]}
 
 
 def binaries_dir() -> Path:
@@ -92,6 +97,11 @@ class ControlPlane:
     startup_seconds: float = field(init=False, default=0.0)
     components: list[Component] = field(init=False, default_factory=list)
 
+    @property
+    def audit_log(self) -> Path:
+        """JSON lines, one per list or watch of a service account (AUDIT_POLICY)."""
+        return self.root / "audit.log"
+
     def __enter__(self) -> ControlPlane:
         return self.start()
 
@@ -129,6 +139,7 @@ class ControlPlane:
             "--initial-cluster", f"default=http://127.0.0.1:{peer_port}",
         ])
         cert_dir = root / "certs"
+        (root / "audit-policy.json").write_text(json.dumps(AUDIT_POLICY))
         self._spawn("kube-apiserver", [
             str(bin_dir / "kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{etcd_port}",
@@ -141,6 +152,7 @@ class ControlPlane:
             "--allow-privileged=true",
             # The `kubernetes` Service's endpoints would be 127.0.0.1, which Endpoints validation rejects.
             "--endpoint-reconciler-type=none",
+            f"--audit-policy-file={root / 'audit-policy.json'}", f"--audit-log-path={self.audit_log}",
         ])
         self.server = f"https://127.0.0.1:{api_port}"
         # The apiserver writes a self-signed serving cert (valid for 127.0.0.1) followed by its CA into one file.

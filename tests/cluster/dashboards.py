@@ -2,8 +2,8 @@
 real Prometheus.
 
 panel_queries(path, namespace=..., job=...) gives (panel title, query) for every target of every panel, rows'
-panels included; annotation_queries the same for the annotations (filtered: `> 0`, so they return series only
-around an event; unfiltered() drops the filter). variable_queries turns the template variables' label_values(...)
+panels included; annotation_queries the same for the annotations' targets (filtered: `> 0`, so they return series
+only around an event; unfiltered() drops the filter). variable_queries turns the template variables' label_values(...)
 into PromQL that returns one series per value. A variable the caller does not give and that has no default here
 raises KeyError, so a dashboard that starts using a new variable fails loudly instead of sending `$x`.
 """
@@ -59,9 +59,11 @@ def panel_queries(path: Path, **variables: str) -> list[tuple[str, str]]:
 
 
 def annotation_queries(path: Path, **variables: str) -> list[tuple[str, str]]:
-    """(annotation name, PromQL) of the dashboard's Prometheus annotations; they may be filtered (`> 0`)."""
-    return [(a.get("name", ""), substitute(a["expr"], **variables))
-            for a in load(path).get("annotations", {}).get("list", []) if a.get("expr")]
+    """(annotation name, PromQL) of the dashboard's Prometheus annotations; they may be filtered (`> 0`). The query
+    is the annotation's target.expr, as Grafana's Prometheus data source keeps it (a missing one raises KeyError)."""
+    return [(a.get("name", ""), substitute(a["target"]["expr"], **variables))
+            for a in load(path).get("annotations", {}).get("list", [])
+            if (a.get("datasource") or {}).get("type") == "prometheus"]
 
 
 def unfiltered(expr: str) -> str:

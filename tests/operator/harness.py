@@ -75,10 +75,11 @@ def _wait(ok, what: str, timeout: float = 30.0) -> None:
 
 
 class OperatorProcess:
-    """`pat-operator` as a subprocess, authenticated as its ServiceAccount."""
+    """`pat-operator` as a subprocess, authenticated as its ServiceAccount. `prelude`: Python run before main(),
+    e.g. to stand in for another release of the operator."""
 
-    def __init__(self, kubeconfig: str, workdir: Path, *extra: str):
-        self.kubeconfig, self.workdir, self.extra = kubeconfig, workdir, list(extra)
+    def __init__(self, kubeconfig: str, workdir: Path, *extra: str, prelude: str = ""):
+        self.kubeconfig, self.workdir, self.extra, self.prelude = kubeconfig, workdir, list(extra), prelude
         workdir.mkdir(parents=True, exist_ok=True)
         self.key_file = workdir / "token-key"
         if not self.key_file.exists():
@@ -93,7 +94,9 @@ class OperatorProcess:
 
     def start(self, timeout: float = 60.0) -> OperatorProcess:
         self.starts += 1
-        argv = [sys.executable, "-m", "pat_operator.main", "--kubeconfig", self.kubeconfig, "--token-key-file",
+        entry = ["-c", f"{self.prelude}\nimport sys\nfrom pat_operator.main import main\nsys.exit(main(sys.argv[1:]))"
+                 ] if self.prelude else ["-m", "pat_operator.main"]
+        argv = [sys.executable, *entry, "--kubeconfig", self.kubeconfig, "--token-key-file",
                 str(self.key_file), "--metrics-port", str(self.metrics_port), "--liveness-port",
                 str(self.liveness_port), "--bind", "127.0.0.1", "--peering", PEERING, *self.extra]
         self.proc = subprocess.Popen(argv, stdout=open(self.log_file, "w"), stderr=subprocess.STDOUT,

@@ -3,6 +3,7 @@ workers; tests/operator/test_workers.py runs the real ones)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -25,6 +26,61 @@ def test_a_job_with_the_longest_valid_name_runs(jobs):
     jobs.wait(name, phase("Running"), "Running")
     hostnames = [p.spec.hostname for p in jobs.pods(name)]
     assert len(hostnames) == 2 and all(len(h) <= 63 for h in hostnames), hostnames
+
+
+def unscoped_pod_reads(audit_log, user: str) -> list[str]:
+    """The pod lists and watches of `user` in the API server's audit log that do not select the jobs' pods."""
+    reads = [json.loads(line) for line in audit_log.read_text().splitlines()]
+    reads = [r for r in reads if r["user"]["username"] == user and r["objectRef"].get("resource") == "pods"]
+    assert reads, f"{user} never listed or watched pods"
+    return [r["requestURI"] for r in reads
+            if "labelSelector=pat.dev%2Fjob" not in r["requestURI"].replace("/", "%2F")]
+
+
+def test_the_api_server_sends_the_operator_only_the_jobs_pods(jobs, cluster, operator):
+    """kopf's handler filters work on the client: the operator's label selector has the API server send only the
+    pods of jobs, not every pod of the cluster."""
+    jobs.create(job_doc("scoped", SLEEP, SERVE))
+    jobs.wait("scoped", phase("Running"), "Running")
+    user = f"system:serviceaccount:{SYSTEM_NAMESPACE}:{SERVICE_ACCOUNT}"
+    assert unscoped_pod_reads(cluster.plane.audit_log, user) == []
+    # Negative control: an unselected list with the operator's own token is seen.
+    token = cluster.token_for(SYSTEM_NAMESPACE, SERVICE_ACCOUNT)
+    with kubernetes.config.new_client_from_config(cluster.kubeconfig_for_token(token)) as api:
+        kubernetes.client.CoreV1Api(api).list_namespaced_pod(jobs.namespace, _preload_content=False)
+    deadline = time.monotonic() + 10  # the entry is written once the response is complete, not before
+    while not (unscoped := unscoped_pod_reads(cluster.plane.audit_log, user)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert unscoped == [f"/api/v1/namespaces/{jobs.namespace}/pods"]
+
+
+# The next release, as far as a running job can tell: a default changed.
+UPGRADE = """
+from pat_operator import api
+api.Algorithm.model_fields["clip_ratio"].default = 0.3
+for model in (api.Algorithm, api.RLHFJobSpec, api.RLHFJob):
+    model.model_rebuild(force=True)
+print("upgraded: algorithm.clipRatio defaults to", api.Algorithm().clip_ratio, flush=True)
+"""
+
+
+def test_an_operator_upgrade_that_changes_a_default_keeps_the_running_job(jobs, operator):
+    jobs.create(job_doc("upgrade", SLEEP, SERVE))
+    before = jobs.wait("upgrade", phase("Running"), "Running")
+    operator.stop()
+    upgraded = OperatorProcess(operator.kubeconfig, operator.workdir / "upgraded", *operator.extra, prelude=UPGRADE)
+    try:
+        upgraded.start()
+        assert "clipRatio defaults to 0.3" in upgraded.log()
+        jobs.patch_spec("upgrade", {"runPolicy": {"backoffLimit": 5}})  # generation 2: seen only by the new release
+        after = jobs.wait("upgrade", lambda j: j["status"].get("observedGeneration") == 2,
+                          "observed by the upgraded operator")
+    finally:
+        upgraded.stop()
+        operator.start()
+    assert after["status"]["phase"] == "Running", after["status"]
+    assert after["status"]["specHash"] == before["status"]["specHash"]
+    assert not any("ImmutableFieldChanged" in e for e in jobs.events("upgrade"))
 
 
 def test_children_are_owned_labelled_and_the_gang_runs_when_all_are_ready(jobs, cluster):

@@ -77,7 +77,7 @@ def raw_queries(path: Path) -> list[tuple[str, str]]:
     """(where, expr) of every query the dashboard holds, its variables unsubstituted."""
     d = load(path)
     out = [(f"panel {p.get('title')!r}", t["expr"]) for p in panels(d) for t in p.get("targets", []) if "expr" in t]
-    out += [(f"annotation {a['name']!r}", a["expr"]) for a in d["annotations"]["list"] if "expr" in a]
+    out += [(f"annotation {a['name']!r}", a["target"]["expr"]) for a in d["annotations"]["list"]]
     for var in d["templating"]["list"]:
         if var["type"] == "query":
             m = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", var["query"])
@@ -178,7 +178,11 @@ def test_a_dashboard_the_sidecar_can_load(path):
         if var["type"] == "query":
             assert var["datasource"] == DS, var
     for annotation in d["annotations"]["list"]:
-        assert annotation["datasource"] == DS, annotation
+        # Grafana's Prometheus annotation: the query in target (expr, interval: the min step), not the legacy
+        # top-level expr/step that Grafana migrates on load; titleFormat, tagKeys, textFormat stay at the top.
+        target = annotation["target"]
+        assert annotation["datasource"] == target["datasource"] == DS and target["expr"] and target["refId"], annotation
+        assert not {"expr", "step"} & annotation.keys(), annotation
     every = panels(d)
     ids = [p["id"] for p in every]
     assert len(ids) == len(set(ids)), ids
@@ -256,7 +260,9 @@ def test_round_trips_through_grafana_foundation_sdk(path):
             "panels": [(p["type"], p["id"], p["title"], p["gridPos"], p.get("datasource"), p.get("targets"))
                        for p in panels(d)],
             "variables": [(v["name"], v["type"], v.get("query"), v.get("datasource")) for v in d["templating"]["list"]],
-            "annotations": [(a["name"], a["datasource"], a["expr"], a["enable"]) for a in d["annotations"]["list"]],
+            # (its AnnotationTarget is the built-in Grafana source's tags query: a Prometheus target's expr is lost;
+            # test_grafana_schema types it as the Prometheus plugin's query)
+            "annotations": [(a["name"], a["datasource"], a["enable"]) for a in d["annotations"]["list"]],
         }
 
     assert summary(again) == summary(original)

@@ -74,7 +74,7 @@ def test_a_failed_pod_restarts_the_whole_gang_after_a_backoff_then_fails_past_th
     assert sorted(d.delete_pods) == sorted(p.name for p in gang) and "GangRestart" in reasons(d)
     assert "exited with code 137" in cond(d, "Restarting")["message"]
     # The old attempt's pods still exist (terminating): nothing new yet.
-    deleting = [p.__class__(**{**p.__dict__, "deleting": True}) for p in gang]
+    deleting = [p.__class__(**{**p.__dict__, "deletion": T0 + timedelta(seconds=35)}) for p in gang]
     d = step(doc, deleting, T0 + timedelta(seconds=6))
     assert d.create_pods == [] and d.delete_pods == []
     # Gone, but the backoff (10 s after the restart) has not passed.
@@ -93,6 +93,40 @@ def test_a_failed_pod_restarts_the_whole_gang_after_a_backoff_then_fails_past_th
     for t in (30, 3600):
         d = step(doc, [], T0 + timedelta(seconds=t))
         assert d.create_pods == [] and d.ensure == [] and d.status["phase"] == "Failed"
+
+
+def test_a_pod_stuck_terminating_past_the_timeout_is_force_deleted_and_the_next_attempt_starts():
+    doc = body(podDeletionTimeoutSeconds=120)
+    gang = pods_of(step(doc, [], T0))
+    step(doc, gang, T0)
+    d = step(doc, gang[1:], T0 + timedelta(seconds=5))  # the trainer was evicted from a lost node
+    assert d.status["restarts"] == 1
+    # Its deletion (grace period over at T0 + 35 s) is never confirmed: no kubelet on that node.
+    stuck = [p.__class__(**{**p.__dict__, "deletion": T0 + timedelta(seconds=35)}) for p in gang]
+    d = step(doc, stuck, T0 + timedelta(seconds=60))
+    assert d.force_delete_pods == [] and "PodForceDeleted" not in reasons(d)
+    assert d.wake_after == 1.0  # the restart polls; the timeout (95 s away) is later
+    d = step(doc, stuck[:1], T0 + timedelta(seconds=35 + 119))
+    assert d.force_delete_pods == [] and d.create_pods == []
+    d = step(doc, stuck[:1], T0 + timedelta(seconds=35 + 120))
+    assert d.force_delete_pods == [stuck[0].name] and reasons(d) == ["PodForceDeleted"]
+    assert "runPolicy.podDeletionTimeoutSeconds=120" in d.events[0].message
+    d = step(doc, [], T0 + timedelta(seconds=35 + 121))
+    assert {p["metadata"]["labels"][builders.LABEL_ATTEMPT] for p in d.create_pods} == {"1"}
+
+
+def test_the_wake_up_comes_when_a_terminating_pod_is_due():
+    doc = body(podDeletionTimeoutSeconds=60)
+    gang = pods_of(step(doc, [], T0))
+    step(doc, gang, T0)
+    doc["spec"]["runPolicy"]["suspend"] = True
+    step(doc, gang, T0 + timedelta(seconds=1))
+    doc["status"]["phase"] = "Failed"  # terminal: nothing else wakes the job
+    doc["status"]["conditions"].append({"type": "Failed", "status": "True", "reason": "X", "message": "x",
+                                        "lastTransitionTime": "2026-01-01T00:00:01Z"})
+    stuck = [gang[0].__class__(**{**gang[0].__dict__, "deletion": T0 + timedelta(seconds=31)})]
+    d = step(doc, stuck, T0 + timedelta(seconds=41))
+    assert d.wake_after == 50 and d.force_delete_pods == []
 
 
 def test_backoff_doubles_up_to_the_cap():
