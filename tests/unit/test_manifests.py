@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
 import yaml
 
+from pat_operator.api import load_job
 from pat_workers.cli import main as pat
+from pat_workers.manifests import objects, spec_field
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
 
@@ -35,3 +38,21 @@ def test_an_invalid_job_is_refused_naming_the_field(tmp_path, capsys):
     assert pat(["manifests", str(path)]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "spec.generator.replicas" in captured.err
+
+
+@pytest.mark.parametrize("version, error", [
+    ("1.20", "cover Kubernetes 1.25 to 1.37"), ("1.100", "cover Kubernetes 1.25"), ("latest", "like 1.30"),
+    ("1.34", None), ("1.30.0", None)])
+def test_pat_validate_checks_the_objects_against_a_known_release(version, error, capsys):
+    with pytest.raises(SystemExit) if error else contextlib.nullcontext():
+        assert pat(["validate", "--kubernetes-version", version, str(EXAMPLES[0])]) == 0
+    if error:
+        assert f"--kubernetes-version {version}: " in (err := capsys.readouterr().err) and error in err, err
+
+
+def test_a_refusal_outside_what_the_user_wrote_names_the_object_and_its_path():
+    job = load_job(str(EXAMPLES[0]))
+    pod = next(o for o in objects(job) if o["kind"] == "Pod")
+    assert spec_field(job, pod, ["spec", "containers", 0, "bogus"]) == \
+        f"Pod {pod['metadata']['name']}: spec.containers[0].bogus"
+    assert spec_field(job, pod, ["spec", "affinity", "podAffinity"]) == "spec.trainer.affinity.podAffinity"

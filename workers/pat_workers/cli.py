@@ -1,7 +1,7 @@
 """The `pat` command.
 
   pat run JOB.yaml [--run-dir DIR] [--baseline]   an RLHFJob as local processes (what `make run` calls)
-  pat validate JOB.yaml                           checks a job spec; prints each bad field and the fix
+  pat validate JOB.yaml                           checks a job spec and its objects; prints each bad field
   pat plan JOB.yaml [--model-config F] [--gpu G]  memory per GPU of trainer and generator ranks: will it fit?
   pat manifests JOB.yaml [--namespace NS]         every object the operator would create for the job (YAML)
   pat prepare --job JOB.yaml --model DIR          builds the job's tiny model into DIR (a pod's init container)
@@ -42,18 +42,25 @@ def _run(argv: list[str]) -> int:
 
 
 def _validate(argv: list[str]) -> int:
-    """Every document of the file must be an RLHFJob that the operator accepts (the same api.parse_job), and fit
-    its GPUs wherever the model's shape and the GPUs are known here (pat plan's check)."""
+    """Every document of the file must be an RLHFJob that the operator accepts (the same api.parse_job), fit its
+    GPUs wherever the model's shape and the GPUs are known here (pat plan's check), and make only objects that a
+    Kubernetes API server accepts (manifests.kubernetes_errors)."""
     import yaml
 
     from pat_operator.api import API_VERSION, KIND, parse_job
     from pat_operator.fit import FitError, require_fit
 
+    from .manifests import KUBERNETES_VERSION, kubernetes_errors, kubernetes_version_error
     from .plan import spec_shape
 
     ap = argparse.ArgumentParser(prog="pat validate", description="check RLHFJob manifests as the operator does")
     ap.add_argument("file", help="YAML with one or more RLHFJob documents")
-    path = ap.parse_args(argv).file
+    ap.add_argument("--kubernetes-version", default=KUBERNETES_VERSION,
+                    help=f"the API server whose schemas the job's objects must pass (default {KUBERNETES_VERSION})")
+    args = ap.parse_args(argv)
+    if error := kubernetes_version_error(args.kubernetes_version):
+        ap.error(f"--kubernetes-version {args.kubernetes_version}: {error}")
+    path = args.file
     try:
         docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d is not None]
     except OSError as e:
@@ -72,6 +79,9 @@ def _validate(argv: list[str]) -> int:
                                    f"RLHFJob documents only (apiVersion: {API_VERSION}, kind: {KIND})")
             job = parse_job(doc, source)
             require_fit(job.spec, source, spec_shape(job.spec))
+            if errors := kubernetes_errors(job, args.kubernetes_version):
+                raise JobSpecError(f"{source} is invalid: Kubernetes would refuse its objects:\n  "
+                                   + "\n  ".join(errors))
         except (JobSpecError, FitError) as e:
             print(e, file=sys.stderr)
             invalid += 1
@@ -85,7 +95,7 @@ def _manifests(argv: list[str]) -> int:
     server and the operator's key make them)."""
     import yaml
 
-    from pat_operator import builders
+    from .manifests import objects
 
     ap = argparse.ArgumentParser(prog="pat manifests", description="print every object the operator would create "
                                  "for an RLHFJob (like helm template): the ConfigMap, Secret, Service, PodGroup "
@@ -96,10 +106,7 @@ def _manifests(argv: list[str]) -> int:
     job = load_job(args.job)
     namespace = args.namespace or job.metadata.namespace or "default"
     job = job.model_copy(update={"metadata": job.metadata.model_copy(update={"namespace": namespace})})
-    uid, token = "00000000-0000-0000-0000-000000000000", "<derived by the operator from its key and the job's uid>"
-    objects = builders.job_objects(job, uid, token) + [builders.pod(job, uid, role, i, 0)
-                                                       for role, i in builders.expected_pods(job)]
-    print(yaml.safe_dump_all(objects, sort_keys=False), end="")
+    print(yaml.safe_dump_all(objects(job), sort_keys=False), end="")
     return 0
 
 
