@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test run controlplane prometheus helm vllm grafana-schema bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
+.PHONY: test run cluster controlplane prometheus helm vllm grafana-schema bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
         simulate gpu-bench gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -47,6 +47,11 @@ test: $(STAMP) controlplane prometheus helm vllm grafana-schema
 # The example RLHFJob as local processes with adaptive TP, then the same job with it off, side by side.
 run: $(STAMP)
 	$(VENV)/bin/pat run examples/local.yaml --baseline
+
+# For a person: the local control plane, process kubelet, Prometheus and the operator installed by the chart;
+# prints the KUBECONFIG to export, stops everything on Ctrl-C (tests/cluster/local.py).
+cluster: $(STAMP) controlplane prometheus helm
+	$(PY) -m tests.cluster.local
 
 bench: $(STAMP)
 	$(PY) bench/tail.py

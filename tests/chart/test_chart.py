@@ -7,10 +7,7 @@ returns series -- and `helm uninstall` leaves only the CRDs (and the kept peerin
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,44 +18,12 @@ import yaml
 
 from pat_operator import metric_names as names
 from tests.cluster.dashboards import annotation_queries, panel_queries
+from tests.cluster.helm import CHART, ROOT, Helm
 from tests.operator.conftest import Jobs, condition, job_doc, phase
 
-ROOT = Path(__file__).parents[2]
-CHART = ROOT / "charts" / "pat-operator"
 RULES = CHART / "files" / "operator-rules.yaml"
 DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
 MONITORS = ["--set", "serviceMonitor.enabled=true", "--set", "podMonitor.enabled=true"]
-
-
-class Helm:
-    """The cached helm (and the kubectl beside it), with their own config, cache and data folders."""
-
-    def __init__(self, home: Path, kubeconfig: str | None = None):
-        fetched = subprocess.run(["scripts/helm-fetch.sh"], cwd=ROOT, capture_output=True, text=True,
-                                 env={**os.environ, "PY": sys.executable})
-        assert fetched.returncode == 0, fetched.stderr
-        self.bin = Path(fetched.stdout.strip().splitlines()[-1])
-        self.env = {**os.environ, "HELM_CACHE_HOME": str(home / "cache"), "HELM_CONFIG_HOME": str(home / "config"),
-                    "HELM_DATA_HOME": str(home / "data")}
-        if kubeconfig:
-            self.env["KUBECONFIG"] = kubeconfig
-
-    def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return self._run("helm", *args, check=check)
-
-    def kubectl(self, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
-        return self._run("kubectl", *args, stdin=stdin)
-
-    def _run(self, tool: str, *args: str, check: bool = True, stdin: str = "") -> subprocess.CompletedProcess:
-        done = subprocess.run([str(self.bin / tool), *args], capture_output=True, text=True, env=self.env,
-                              input=stdin, timeout=300)
-        if check:
-            assert done.returncode == 0, f"{tool} {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
-        return done
-
-    def template(self, *args: str, namespace: str = "pat-system") -> list[dict]:
-        return [d for d in yaml.safe_load_all(self("template", "rel", str(CHART), "-n", namespace, *args).stdout)
-                if d]
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,7 @@
 
 No kubelet and no container runtime: tests.cluster.kubelet.ProcessKubelet runs the pods as local processes.
 
-    python -m tests.cluster.controlplane start [--no-kubelet]   run until Ctrl-C (prints export lines)
-    python -m tests.cluster.controlplane env                    print the export lines of the running one
+For a person: `make cluster` (tests/cluster/local.py) runs one with a kubelet, Prometheus and the operator.
 
 The binaries come from $KUBEBUILDER_ASSETS or scripts/controlplane-build.sh (which builds them once into a cache).
 $PAT_TEST_KUBECONFIG names an existing cluster to use instead (kind, minikube, a real one): see cluster_from_env.
@@ -12,7 +11,6 @@ This module needs only the standard library (attach_existing needs PyYAML, a pro
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import base64
 import json
@@ -25,7 +23,6 @@ import ssl
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,7 +32,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "controlplane-build.sh"
-STATE_FILE = Path(os.environ.get("PAT_CACHE", Path.home() / ".cache" / "pat-rlhf")) / "controlplane.json"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc"
 # The API server's audit log keeps what service accounts list and watch (with the query string): the tests read it
 # to see what the operator asks the server for. Everything else is not logged.
@@ -286,61 +282,3 @@ def cluster_from_env() -> ControlPlane | ExistingCluster:
             raise FileNotFoundError(f"PAT_TEST_KUBECONFIG={path} is not a file")
         return ExistingCluster(path)
     return ControlPlane()
-
-
-def _export_lines(state: dict) -> str:
-    return "\n".join(f"export {k}={v}" for k, v in state["env"].items())
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    start = sub.add_parser("start", help="start a control plane (and a process kubelet) and run until Ctrl-C")
-    start.add_argument("--no-kubelet", action="store_true", help="no node: pods stay Pending")
-    start.add_argument("--node", default="pat-node-0")
-    start.add_argument("--gpus", type=int, default=16)
-    sub.add_parser("env", help="print export lines for the control plane that `start` runs")
-    args = parser.parse_args(argv)
-
-    if args.command == "env":
-        if not STATE_FILE.exists():
-            print(f"no running control plane ({STATE_FILE} is missing): run `start` first", file=sys.stderr)
-            return 1
-        state = json.loads(STATE_FILE.read_text())
-        try:
-            os.kill(state["pid"], 0)
-        except ProcessLookupError:
-            print(f"the control plane of {STATE_FILE} (pid {state['pid']}) is gone", file=sys.stderr)
-            return 1
-        print(_export_lines(state))
-        return 0
-
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a shell's background job starts with it ignored
-        signal.signal(sig, lambda *_: stop.set())
-    plane = cluster_from_env().start()
-    kubelet = None
-    try:
-        if not args.no_kubelet and os.environ.get("PAT_TEST_NO_KUBELET") != "1":
-            sys.path.insert(0, str(REPO))  # also when run by path, not with -m
-            from tests.cluster.kubelet import ProcessKubelet
-
-            kubelet = ProcessKubelet(plane.kubeconfig, node_name=args.node, gpus=args.gpus).start()
-        # Not PAT_TEST_KUBECONFIG: pytest would start a second kubelet for the same node (use --no-kubelet for that).
-        state = {"pid": os.getpid(), "env": {"KUBECONFIG": plane.kubeconfig}}
-        STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
-        STATE_FILE.write_text(json.dumps(state))
-        print(f"# ready in {plane.startup_seconds:.1f} s; server {plane.server}"
-              + (f"; node {args.node}, pod logs under {kubelet.root}/logs" if kubelet else ""), flush=True)
-        print(_export_lines(state), flush=True)
-        stop.wait()
-    finally:
-        STATE_FILE.unlink(missing_ok=True)
-        if kubelet:
-            kubelet.stop()
-        plane.stop()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
