@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test run cluster controlplane prometheus helm vllm grafana-schema bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
+.PHONY: test run cluster controlplane crdserver prometheus helm vllm grafana-schema bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
         simulate gpu-bench gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -22,6 +22,11 @@ $(STAMP): pyproject.toml
 controlplane:
 	@if [ -n "$$PAT_TEST_KUBECONFIG" ]; then echo "using the cluster of PAT_TEST_KUBECONFIG"; \
 	else scripts/controlplane-build.sh; fi
+
+# k8s.io/apiextensions-apiserver 1.36 + etcd 3.5 from Debian sid's packages (real CEL for tests/cel), built once
+# into ~/.cache/pat-rlhf/apiextensions-v1.36 (~5 minutes on 2 cores; scripts/crd-server-build.sh).
+crdserver:
+	@scripts/crd-server-build.sh >/dev/null
 
 # The Prometheus server the tests start themselves (tests/cluster/prometheus.py); the package's service is not used.
 prometheus:
@@ -41,7 +46,7 @@ vllm:
 grafana-schema:
 	@scripts/grafana-schema.sh >/dev/null
 
-test: $(STAMP) controlplane prometheus helm vllm grafana-schema
+test: $(STAMP) controlplane crdserver prometheus helm vllm grafana-schema
 	$(PY) -m pytest -q
 
 # The example RLHFJob as local processes with adaptive TP, then the same job with it off, side by side.

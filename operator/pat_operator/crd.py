@@ -102,8 +102,7 @@ def _value(path: str, model: type[BaseModel] = api.RLHFJobSpec) -> str:
 
 def _trainer_world_rule() -> str:
     """responses >= miniBatches x trainer.world_size, where a trainer pod's ranks are ranksPerPod, else gpusPerPod
-    when above 0, else 1 (Trainer.ranks). Two cases rather than nested ?: (which tests/unit/test_crd.py's CEL
-    interpreter does not read)."""
+    when above 0, else 1 (Trainer.ranks), as two cases."""
     responses = "self.algorithm.promptsPerIteration * self.algorithm.samplesPerPrompt"
     shares = f"self.algorithm.miniBatches * {_value('trainer.replicas')}"
     ranks_set = "has(self.trainer) && has(self.trainer.ranksPerPod)"

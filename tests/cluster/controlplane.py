@@ -28,6 +28,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar, Self
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,11 +41,12 @@ AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages":
     {"level": "None"}]}
 
 
-def binaries_dir() -> Path:
-    """$KUBEBUILDER_ASSETS (validated by the build script) or the build script's cache; builds on first use."""
-    result = subprocess.run(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True, check=False)
+def built(script: Path) -> Path:
+    """The folder a build script prints on its last line: it builds once into its cache (minutes) and fails loudly
+    when it cannot; so does this, for the tests never skip without the binaries."""
+    result = subprocess.run(["bash", str(script)], stdout=subprocess.PIPE, text=True, check=False)
     if result.returncode != 0:
-        raise RuntimeError(f"{BUILD_SCRIPT} failed with exit code {result.returncode} (its stderr is above)")
+        raise RuntimeError(f"{script} failed with exit code {result.returncode} (its stderr is above)")
     return Path(result.stdout.strip().splitlines()[-1])
 
 
@@ -80,35 +82,32 @@ class Component:
 
 
 @dataclass
-class ControlPlane:
-    """Start with .start() (or use as a context manager); .stop() kills everything and removes the temp dir."""
+class LocalServers:
+    """Server processes in a temp dir on loopback, etcd first: start() (or `with`) runs them, stop() kills them and
+    removes the dir. A subclass names its build script and starts its servers in _start()."""
 
-    bin_dir: Path | None = None
+    NAME: ClassVar[str]  # of the temp dir and the logs
+    BUILD_SCRIPT: ClassVar[Path]
+
+    bin_dir: Path | None = None  # default: the build script's cache
     keep_dir: bool = False  # leave the temp dir (logs, data) behind after stop, for debugging
     root: Path = field(init=False)
     server: str = field(init=False, default="")
-    admin_token: str = field(init=False, default="")
-    ca_file: str = field(init=False, default="")
     kubeconfig: str = field(init=False, default="")
     startup_seconds: float = field(init=False, default=0.0)
     components: list[Component] = field(init=False, default_factory=list)
 
-    @property
-    def audit_log(self) -> Path:
-        """JSON lines, one per list or watch of a service account (AUDIT_POLICY)."""
-        return self.root / "audit.log"
-
-    def __enter__(self) -> ControlPlane:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self, timeout: float = 60.0) -> ControlPlane:
-        bin_dir = self.bin_dir or binaries_dir()
+    def start(self, timeout: float = 60.0) -> Self:
+        bin_dir = self.bin_dir or built(self.BUILD_SCRIPT)
         started = time.monotonic()
-        self.root = Path(tempfile.mkdtemp(prefix="pat-controlplane-"))
-        atexit.register(self.stop)  # a test process that dies of an exception leaves no control plane behind
+        self.root = Path(tempfile.mkdtemp(prefix=f"pat-{self.NAME}-"))
+        atexit.register(self.stop)  # a test process that dies of an exception leaves no servers behind
         try:
             self._start(bin_dir, started + timeout)
         except BaseException:
@@ -119,26 +118,104 @@ class ControlPlane:
         return self
 
     def _start(self, bin_dir: Path, deadline: float) -> None:
+        raise NotImplementedError
+
+    def _spawn_etcd(self, bin_dir: Path) -> str:
+        """etcd on two free ports; returns its client URL."""
+        client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+        self._spawn("etcd", [
+            str(bin_dir / "etcd"), "--data-dir", str(self.root / "etcd"), "--unsafe-no-fsync", "--log-level=warn",
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"default={peer}",
+        ])
+        return client
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = self.root / f"{name}.log"
+        with open(log, "wb") as out:
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                       start_new_session=True)  # own process group: stop() signals its children too
+        self.components.append(Component(name, process, log))
+
+    def _request(self, path: str) -> tuple[urllib.request.Request, ssl.SSLContext] | None:
+        """An authenticated GET of the API server's path, once its credentials exist."""
+        raise NotImplementedError
+
+    def _get(self, path: str) -> int:
+        if (request := self._request(path)) is None:
+            return 0
+        try:
+            with urllib.request.urlopen(request[0], context=request[1], timeout=5) as response:
+                return response.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except (OSError, ssl.SSLError):
+            return 0
+
+    def _wait(self, deadline: float, what: str, ok: Callable[[], bool]) -> None:
+        while not ok():
+            for c in self.components:
+                if c.process.poll() is not None:
+                    raise RuntimeError(f"{c.name} exited with code {c.process.returncode} while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}")
+            time.sleep(0.05)
+
+    def describe_logs(self) -> str:
+        lines = [f"{self.NAME} logs under {getattr(self, 'root', '?')}:"]
+        for c in self.components:
+            tail = c.log.read_text(errors="replace").splitlines()[-15:] if c.log.exists() else []
+            lines.append(f"--- {c.name} ({c.log}), last lines:")
+            lines.extend(tail)
+        return "\n".join(lines) + "\n"
+
+    def stop(self) -> None:
+        atexit.unregister(self.stop)
+        # etcd last: an apiserver that loses it first stalls its shutdown.
+        clients = [c for c in self.components if c.name != "etcd"]
+        for group in (clients, [c for c in self.components if c.name == "etcd"]):
+            for c in group:
+                _signal_group(c.process, signal.SIGTERM)
+            for c in group:
+                try:
+                    c.process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    _signal_group(c.process, signal.SIGKILL)
+                    c.process.wait()
+        self.components.clear()
+        if not self.keep_dir and getattr(self, "root", None):
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+@dataclass
+class ControlPlane(LocalServers):
+    """etcd, kube-apiserver, kube-controller-manager and kube-scheduler v1.20.2."""
+
+    NAME: ClassVar[str] = "controlplane"
+    BUILD_SCRIPT: ClassVar[Path] = BUILD_SCRIPT
+
+    admin_token: str = field(init=False, default="")
+    ca_file: str = field(init=False, default="")
+
+    @property
+    def audit_log(self) -> Path:
+        """JSON lines, one per list or watch of a service account (AUDIT_POLICY)."""
+        return self.root / "audit.log"
+
+    def _start(self, bin_dir: Path, deadline: float) -> None:
         root = self.root
-        etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
+        api_port = free_port()
         self.admin_token = secrets.token_hex(16)
         (root / "tokens.csv").write_text(f"{self.admin_token},admin,admin,system:masters\n")
         sa_key = root / "sa.key"
         subprocess.run(["openssl", "genrsa", "-out", str(sa_key), "2048"], check=True, capture_output=True)
 
-        self._spawn("etcd", [
-            str(bin_dir / "etcd"), "--data-dir", str(root / "etcd"), "--unsafe-no-fsync",
-            "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
-            "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
-            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-cluster", f"default=http://127.0.0.1:{peer_port}",
-        ])
+        etcd = self._spawn_etcd(bin_dir)
         cert_dir = root / "certs"
         (root / "audit-policy.json").write_text(json.dumps(AUDIT_POLICY))
         self._spawn("kube-apiserver", [
             str(bin_dir / "kube-apiserver"),
-            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            f"--etcd-servers={etcd}",
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
             f"--secure-port={api_port}", "--insecure-port=0", f"--cert-dir={cert_dir}",
             f"--token-auth-file={root / 'tokens.csv'}", "--authorization-mode=Node,RBAC",
@@ -175,59 +252,11 @@ class ControlPlane:
         self._wait(deadline, "the controller-manager's default ServiceAccount",
                    lambda: self._get("/api/v1/namespaces/default/serviceaccounts/default") == 200)
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        log = self.root / f"{name}.log"
-        with open(log, "wb") as out:
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                       start_new_session=True)  # own process group: stop() signals its children too
-        self.components.append(Component(name, process, log))
-
-    def _get(self, path: str) -> int:
-        context = ssl.create_default_context(cafile=self.ca_file) if Path(self.ca_file).exists() else None
-        if context is None:
-            return 0
-        request = urllib.request.Request(self.server + path, headers={"Authorization": f"Bearer {self.admin_token}"})
-        try:
-            with urllib.request.urlopen(request, context=context, timeout=5) as response:
-                return response.status
-        except urllib.error.HTTPError as e:
-            return e.code
-        except (OSError, ssl.SSLError):
-            return 0
-
-    def _wait(self, deadline: float, what: str, ok: Callable[[], bool]) -> None:
-        while not ok():
-            for c in self.components:
-                if c.process.poll() is not None:
-                    raise RuntimeError(f"{c.name} exited with code {c.process.returncode} while waiting for {what}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out waiting for {what}")
-            time.sleep(0.1)
-
-    def describe_logs(self) -> str:
-        lines = [f"control plane logs under {self.root}:"]
-        for c in self.components:
-            tail = c.log.read_text(errors="replace").splitlines()[-15:] if c.log.exists() else []
-            lines.append(f"--- {c.name} ({c.log}), last lines:")
-            lines.extend(tail)
-        return "\n".join(lines) + "\n"
-
-    def stop(self) -> None:
-        atexit.unregister(self.stop)
-        # etcd last: an apiserver that loses it first stalls its shutdown.
-        clients = [c for c in self.components if c.name != "etcd"]
-        for group in (clients, [c for c in self.components if c.name == "etcd"]):
-            for c in group:
-                _signal_group(c.process, signal.SIGTERM)
-            for c in group:
-                try:
-                    c.process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    _signal_group(c.process, signal.SIGKILL)
-                    c.process.wait()
-        self.components.clear()
-        if not self.keep_dir and getattr(self, "root", None):
-            shutil.rmtree(self.root, ignore_errors=True)
+    def _request(self, path: str) -> tuple[urllib.request.Request, ssl.SSLContext] | None:
+        if not Path(self.ca_file).exists():  # the apiserver writes it as it starts
+            return None
+        return (urllib.request.Request(self.server + path, headers={"Authorization": f"Bearer {self.admin_token}"}),
+                ssl.create_default_context(cafile=self.ca_file))
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
