@@ -172,7 +172,8 @@ def pod(job: RLHFJob, uid: str, role: str, index: int, attempt: int) -> Manifest
         mounts.append({"name": "run", "mountPath": run_dir})
         volumes.append({"name": "run", **(spec.checkpoint.volume or {"emptyDir": {}})})
     else:
-        args = commands.generator_args(spec, model_dir, "$(POD_IP)")
+        # All addresses, as on any node: the pod's network namespace holds only its pod IP and its own loopback.
+        args = commands.generator_args(spec, model_dir, "0.0.0.0")
         ports = [{"name": "http", "containerPort": spec.generator.port}]
         probe = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2, "failureThreshold": 1}
         # The in-pod shared-memory communicators need more than the default 64 MiB /dev/shm.

@@ -236,9 +236,6 @@ class ControlPlane(LocalServers):
         self._spawn("kube-controller-manager", [
             str(bin_dir / "kube-controller-manager"), f"--kubeconfig={self.kubeconfig}",
             "--leader-elect=false", "--port=0", "--secure-port=0",
-            # Endpoints validation rejects the kubelet's loopback pod IPs (EndpointSlices take them): without this
-            # controller a Service has no Endpoints object instead of an empty one plus an error event per change.
-            "--controllers=*,-endpoint",
             "--use-service-account-credentials=false",
             f"--service-account-private-key-file={sa_key}", f"--root-ca-file={self.ca_file}",
             "--kube-api-qps=200", "--kube-api-burst=400",

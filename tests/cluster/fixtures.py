@@ -4,6 +4,7 @@ Load with `pytest_plugins = ["tests.cluster.fixtures"]` in the top-level conftes
 asks for `cluster` (or `namespace`); then, once per session:
 - $PAT_TEST_KUBECONFIG set: that cluster is used; otherwise a local v1.20.2 control plane starts.
 - a ProcessKubelet registers node pat-node-0 (not with PAT_TEST_NO_KUBELET=1; then cluster.kubelet is None).
+A test that needs more nodes asks for `extra_node`, which starts them for that test only.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -132,6 +133,41 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         if kubelet:
             kubelet.stop()
         plane.stop()
+
+
+@pytest.fixture
+def extra_node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ProcessKubelet]]:
+    """extra_node() starts one more node in the cluster (a ProcessKubelet, node pat-node-1, then pat-node-2, ...; or
+    extra_node(name, gpus=..., labels=...)) and returns it. After the test each is stopped and its Node and Lease are
+    deleted, so that no later test's pod is scheduled onto it; its pods' objects are left to the `namespace` fixture
+    (force-deleted) or the pod garbage collector (pods of a deleted node)."""
+    if cluster.kubelet is None:
+        pytest.skip("no process kubelet (PAT_TEST_NO_KUBELET=1)")
+    import kubernetes
+
+    from tests.cluster.kubelet import ProcessKubelet
+
+    started: list[ProcessKubelet] = []
+
+    def start(name: str | None = None, **kwargs: object) -> ProcessKubelet:
+        name = name or f"pat-node-{len(started) + 1}"
+        kubelet = ProcessKubelet(cluster.kubeconfig, node_name=name, root=tmp_path_factory.mktemp(name), **kwargs)
+        started.append(kubelet.start())
+        return kubelet
+
+    yield start
+    with cluster.api_client() as api:
+        core, leases = kubernetes.client.CoreV1Api(api), kubernetes.client.CoordinationV1Api(api)
+        for kubelet in started:
+            kubelet.stop()
+            for delete in (lambda: core.delete_node(kubelet.node_name, _preload_content=False),
+                           lambda: leases.delete_namespaced_lease(kubelet.node_name, "kube-node-lease",
+                                                                  _preload_content=False)):
+                try:
+                    delete()
+                except kubernetes.client.ApiException as e:
+                    if e.status != 404:
+                        raise
 
 
 @pytest.fixture(scope="session")

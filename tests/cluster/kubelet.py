@@ -6,21 +6,34 @@ What a pod gets, and what differs from a real node:
 - The host is the image: `image` is ignored and the command runs with the directory of sys.executable (the
   project's venv) first on PATH. A container without `command` cannot run (there is no image entrypoint).
 - Each container runs in its own mount and UTS namespace (tests/cluster/podexec.py): volumes are bind mounts,
-  /etc/hosts is the kubelet's one hosts file (read-only), the hostname is spec.hostname or the pod name,
-  readOnlyRootFilesystem remounts / read-only there. The network is the host's: each pod gets its own
-  loopback address 127.0.0.N, so servers must bind their pod IP (status.podIP), not 0.0.0.0, to share a port.
+  /etc/hosts is the kubelet's hosts file (read-only), the hostname is spec.hostname or the pod name,
+  readOnlyRootFilesystem remounts / read-only there.
+- The network is a cluster's (NodeNetwork has the layout): each pod has a network namespace of its own, shared by
+  its containers (and joined by exec and exec probes), with its own loopback and one address, its pod IP, from a
+  test-only range (198.18.0.0/15, a /22 per node); servers bind 0.0.0.0 as on any node, and pods never collide on a
+  port. The node has a namespace of its own too: its IP (status.hostIP) is the pods' gateway. The test machine (the
+  tests, the operator, Prometheus) reaches every pod by its pod IP through routes in the root namespace, pods reach
+  each other across nodes, and pods reach the machine at 198.18.0.1 (HOST_ADDRESS; not at 127.0.0.1, which is the
+  pod's own). Nothing routes pods out of the machine (no NAT); DNS is relayed by the node (resolv.conf names it).
+  hostNetwork pods run in the node's namespace. Needs iproute2 (`ip`) and root. Several kubelets (nodes) of one or
+  several processes run side by side: each node's block is held by a lock, and a crashed run's namespaces are
+  swept when a kubelet starts.
 - Headless-service DNS is the hosts file: `hostname.subdomain[.namespace[.svc[.cluster.local]]]` and the pod
-  name resolve to the pod IP from admission (before the process starts) until the pod ends.
+  name resolve to the pod IP from admission (before the process starts) until the pod ends; the hosts file of each
+  kubelet lists the pods of every kubelet of its process, so pods of one gang on two nodes resolve each other.
 - restartPolicy Never, OnFailure and Always (a Deployment's pods): an ended container is started again after
   the real kubelet's back-off (10 s, doubling, at most 5 min; waiting reason CrashLoopBackOff), restartCount counts.
 - The ServiceAccount token, as the real kubelet's projected kube-api-access volume (unless the pod sets
   automountServiceAccountToken: false): a token bound to the pod (TokenRequest), ca.crt and namespace under
-  /var/run/secrets/kubernetes.io/serviceaccount, and KUBERNETES_SERVICE_HOST/PORT naming the API server, so
-  in-cluster clients work unchanged and act with only their ServiceAccount's RBAC.
+  /var/run/secrets/kubernetes.io/serviceaccount, and KUBERNETES_SERVICE_HOST/PORT naming the `kubernetes` Service
+  (10.96.0.1:443, which the apiserver's serving certificate names), so in-cluster clients work unchanged and act with
+  only their ServiceAccount's RBAC. With no kube-proxy here, the node relays that address to the API server.
 - Volumes: emptyDir (medium Memory: a tmpfs), hostPath, configMap, secret, downwardAPI, persistentVolumeClaim
   (a directory per namespace/claim under the kubelet root; the kubelet also binds pending claims of no or an
   unknown StorageClass to a PersistentVolume of its own, or the scheduler would never place their pods).
-- Probes: readiness and liveness, httpGet/tcpSocket/exec. No resource limits, no OOM kills, no image pulls.
+- Probes: readiness and liveness, httpGet/tcpSocket/exec (httpGet and tcpSocket from the host, to the pod IP).
+  No resource limits, no OOM kills, no image pulls.
+- lose() kills a node as a machine dies (see there): its pods' objects stay, deleted ones Terminating for good.
 """
 
 from __future__ import annotations
@@ -28,8 +41,10 @@ from __future__ import annotations
 import argparse
 import atexit
 import base64
+import fcntl
 import heapq
 import http.client
+import ipaddress
 import itertools
 import json
 import logging
@@ -60,7 +75,7 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from tests.cluster.podexec import mount, umount
+from tests.cluster.podexec import CLONE_NEWNET, mount, setns, umount
 
 log = logging.getLogger("pat.kubelet")
 
@@ -77,6 +92,7 @@ BACKOFF_SECONDS, BACKOFF_MAX_SECONDS = 10.0, 300.0  # the real kubelet's contain
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 SERVICE_ACCOUNT_VOLUME = "kube-api-access.token"  # its folder under the pod's volumes (a dot: no volume name)
 TOKEN_SECONDS = 3600
+UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 
 
 def _now() -> str:
@@ -252,6 +268,400 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
+# ---- the pod network -----------------------------------------------------------------------------------------------
+
+POD_NETWORK = ipaddress.IPv4Network("198.18.0.0/15")  # RFC 2544's benchmarking range: no real network uses it
+HOST_ADDRESS = "198.18.0.1"  # the test machine as nodes and pods reach it (on the root namespace's lo)
+NODE_PREFIX = 22  # each node's pod range (1020 pods): block 0 holds HOST_ADDRESS, blocks 1..127 are nodes'
+NETNS_DIR = Path("/run/netns")  # where `ip netns` keeps the named namespaces
+LOCK_DIR = Path("/run/pat-kubelet")  # block-K.lock: flock-ed for life by the process whose node has block K
+DNS_PORT = 53
+
+
+class NetworkError(Exception):
+    pass
+
+
+def _ip(*args: str, netns: str | None = None, batch: Iterable[str] = (), check: bool = True) -> str:
+    """Run iproute2's `ip` (in the named namespace): args, or the batch of commands (stops at the first error)."""
+    batch = list(batch)
+    argv = ["ip", *(["-n", netns] if netns else []), *(["-batch", "-"] if batch else args)]
+    result = subprocess.run(argv, input="".join(f"{c}\n" for c in batch) if batch else None, capture_output=True,
+                            text=True)
+    if check and result.returncode:
+        raise NetworkError(f"{' '.join(argv)}{' <<< ' + '; '.join(batch) if batch else ''}: {result.stderr.strip()}")
+    return result.stdout
+
+
+def _in_netns(name: str, fn: Callable[[], object]) -> object:
+    """fn() in the named network namespace (a socket made there stays there): in a thread of its own, as setns moves
+    only the calling thread, and a thread that ends takes its namespace with it whatever happened."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            setns(str(NETNS_DIR / name), CLONE_NEWNET)
+            out.append((True, fn()))
+        except BaseException as e:
+            out.append((False, e))
+
+    thread = threading.Thread(target=run, name=f"netns-{name}")
+    thread.start()
+    thread.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _kill_netns(name: str) -> None:
+    """SIGKILL the processes in a named namespace (a crashed kubelet's pods), then delete its name."""
+    try:
+        ns = os.stat(NETNS_DIR / name)
+    except FileNotFoundError:
+        return
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            st = os.stat(f"/proc/{pid}/ns/net")
+        except OSError:  # gone, or a kernel thread
+            continue
+        if (st.st_ino, st.st_dev) == (ns.st_ino, ns.st_dev):
+            _killpg(int(pid), signal.SIGKILL)  # its own session: the pods' process groups
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    _ip("netns", "del", name, check=False)
+
+
+def _root_network() -> None:
+    """What every node needs of the root namespace: forwarding (pod to pod across nodes), HOST_ADDRESS, and an
+    unreachable route for POD_NETWORK, so that an address of no running node fails at once (EHOSTUNREACH) instead of
+    leaving through the machine's default route. They stay after the tests: other test sessions' nodes on this
+    machine may use them."""
+    forward = Path("/proc/sys/net/ipv4/ip_forward")
+    if forward.read_text().strip() != "1":
+        forward.write_text("1")
+    for argv in (["addr", "add", f"{HOST_ADDRESS}/32", "dev", "lo"], ["route", "add", "unreachable", str(POD_NETWORK)]):
+        result = subprocess.run(["ip", *argv], capture_output=True, text=True)
+        if result.returncode and not re.search("exists|already assigned", result.stderr):  # an earlier run's
+            raise NetworkError(f"ip {' '.join(argv)}: {result.stderr.strip()}")
+
+
+class Relays:
+    """What kube-proxy and a node-local DNS cache give pods on a real node: there is no kube-proxy here (and no
+    netfilter tool to program one), so the node's namespace holds the `kubernetes` Service's cluster IP and a TCP relay
+    from it to the API server, and a DNS relay at the node's IP to the machine's resolver (pods have no route out)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+        self._closed = False
+
+    def _track(self, *socks: socket.socket) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._sockets.update(socks)
+            return True
+
+    def _untrack(self, *socks: socket.socket) -> None:
+        with self._lock:
+            self._sockets.difference_update(socks)
+        for s in socks:
+            s.close()
+
+    def _thread(self, target: Callable, *args: object) -> None:
+        threading.Thread(target=target, args=args, name="kubelet-relay", daemon=True).start()
+
+    def tcp(self, netns: str, listen: tuple[str, int], upstream: tuple[str, int]) -> None:
+        listener = _in_netns(netns, lambda: socket.create_server(listen, backlog=128))
+        self._track(listener)
+        self._thread(self._accept, listener, upstream)
+
+    def _accept(self, listener: socket.socket, upstream: tuple[str, int]) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # shut down by close()
+                return
+            self._thread(self._connect, conn, upstream)
+
+    def _connect(self, conn: socket.socket, upstream: tuple[str, int]) -> None:
+        try:
+            up = socket.create_connection(upstream, timeout=10)
+            up.settimeout(None)
+        except OSError as e:
+            log.warning("relay to %s:%s: %s", *upstream, e)
+            conn.close()
+            return
+        if not self._track(conn, up):
+            self._untrack(conn, up)
+            return
+        other = threading.Thread(target=self._pipe, args=(conn, up), name="kubelet-relay", daemon=True)
+        other.start()
+        self._pipe(up, conn)
+        other.join()
+        self._untrack(conn, up)
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        except OSError:
+            pass
+        try:
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def udp(self, netns: str, listen: tuple[str, int], upstream: tuple[str, int]) -> None:
+        def bind() -> socket.socket:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.bind(listen)
+            sock.settimeout(0.5)  # a UDP socket's recvfrom does not end when another thread shuts it down
+            return sock
+
+        sock = _in_netns(netns, bind)
+        self._track(sock)
+        self._thread(self._datagrams, sock, upstream)
+
+    def _datagrams(self, sock: socket.socket, upstream: tuple[str, int]) -> None:
+        while not self._closed:
+            try:
+                query, peer = sock.recvfrom(1 << 16)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self._thread(self._ask, sock, query, peer, upstream)
+
+    @staticmethod
+    def _ask(sock: socket.socket, query: bytes, peer: tuple[str, int], upstream: tuple[str, int]) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as up:
+            up.settimeout(5)
+            try:
+                up.sendto(query, upstream)
+                sock.sendto(up.recv(1 << 16), peer)
+            except OSError:
+                pass  # the client asks again, as it would of a lost datagram
+
+    def close(self) -> None:
+        """Ends the relays and every relayed connection (a dead node's connections break)."""
+        with self._lock:
+            self._closed = True
+            socks = list(self._sockets)
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class NodeNetwork:
+    """One node's network: its own network namespace, routed from the root namespace, and one per pod behind it.
+    Node K has block K of POD_NETWORK (K = 1..127, a /22 each: 198.18.4.0/22, 198.18.8.0/22, ...).
+
+    root namespace (the test machine: the tests, the operator, Prometheus, the API server on 127.0.0.1)
+      lo: HOST_ADDRESS 198.18.0.1/32; route unreachable 198.18.0.0/15 (an address of no node fails at once)
+      patnK --veth-- "uplink" of namespace pat-nodeK; route block K via the node's IP (src HOST_ADDRESS)
+    pat-nodeK (the node's host network; forwarding on)
+      lo: the node IP (block K's first address: its InternalIP and the pods' hostIP) and the `kubernetes`
+          Service's cluster IP
+      default route via HOST_ADDRESS over uplink; route unreachable block K; per pod a veth pvN (N: the pod IP's
+      offset in the block) and a /32 route to the pod's IP over it
+      relays: cluster IP:443 -> the API server, node IP:53 -> the machine's resolver (see Relays)
+    pat-pod-IP (one pod: all its containers)
+      lo up; eth0 (the peer of pvN) with the pod IP/32; default route via the node IP
+
+    The block is the node's for as long as its process holds LOCK_DIR/block-K.lock: several nodes (kubelets) of one
+    or of several processes never collide, and a block whose lock nobody holds is a crashed run's leftover, swept
+    (its processes killed, its namespaces and links deleted) when a kubelet starts."""
+
+    blocks = list(POD_NETWORK.subnets(new_prefix=NODE_PREFIX))
+
+    def __init__(self, service: tuple[str, int], api_server: tuple[str, int]) -> None:
+        self.service = service  # the `kubernetes` Service's cluster IP and port
+        self.api_server = api_server
+        self.block: ipaddress.IPv4Network | None = None
+        self._lock_fd: int | None = None
+        self._lock = threading.Lock()
+        self._pods: set[str] = set()  # allocated pod IPs
+        self._next = 0
+        self._relays = Relays()
+
+    @property
+    def node_ip(self) -> str:
+        return str(self.block[1])
+
+    @property
+    def netns(self) -> str:
+        return f"pat-node{self.blocks.index(self.block)}"
+
+    def start(self) -> NodeNetwork:
+        LOCK_DIR.mkdir(parents=True, exist_ok=True)
+        _root_network()
+        for k in range(1, len(self.blocks)):
+            path = LOCK_DIR / f"block-{k}.lock"
+            if self._lock_fd is not None and not path.exists():
+                continue  # nothing of a block that was never used can be left
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live node's
+                os.close(fd)
+                continue
+            self._sweep(k, stale=True)
+            if self._lock_fd is None:
+                self._lock_fd, self.block = fd, self.blocks[k]
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+            else:
+                os.close(fd)
+        if self._lock_fd is None:
+            raise NetworkError(f"no free node block in {POD_NETWORK}: {len(self.blocks) - 1} nodes run already")
+        try:
+            self._setup()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _sweep(self, k: int, stale: bool = False) -> None:
+        block = self.blocks[k]
+        for name in sorted(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else []:
+            if name == f"pat-node{k}" or name.startswith("pat-pod-") and _in_block(name[8:], block):
+                if stale:
+                    log.info("removing network namespace %s, left by an earlier run", name)
+                _kill_netns(name)
+        _ip("link", "del", f"patn{k}", check=False)
+
+    def _setup(self) -> None:
+        k, node, (service_ip, service_port) = self.blocks.index(self.block), self.netns, self.service
+        _ip("netns", "add", node)
+        _ip(batch=[f"link add patn{k} type veth peer name uplink netns {node}", f"link set patn{k} up",
+                   f"route add {self.block} via {self.node_ip} dev patn{k} onlink src {HOST_ADDRESS}"])
+        # The block's addresses that are no pod's are unreachable here: not sent back up to the root namespace.
+        _ip(netns=node, batch=["link set lo up", f"addr add {self.node_ip}/32 dev lo",
+                               f"addr add {service_ip}/32 dev lo", "link set uplink up",
+                               f"route add default via {HOST_ADDRESS} dev uplink onlink",
+                               f"route add unreachable {self.block}"])
+        _in_netns(node, lambda: Path("/proc/sys/net/ipv4/ip_forward").write_text("1"))
+        self._relays.tcp(node, (service_ip, service_port), self.api_server)
+        if nameserver := _nameserver():
+            self._relays.udp(node, (self.node_ip, DNS_PORT), (nameserver, DNS_PORT))
+
+    def allocate(self) -> str:
+        """A free pod IP of the block: the one after the last one given (host-local IPAM's order), so a pod's IP is
+        not at once another's."""
+        hosts = self.block.num_addresses
+        with self._lock:
+            for step in range(1, hosts):
+                offset = (self._next + step) % hosts
+                ip = str(self.block[offset])
+                if offset >= 2 and ip.rsplit(".", 1)[1] not in ("0", "255") and ip not in self._pods:
+                    self._pods.add(ip)
+                    self._next = offset
+                    return ip
+        raise NetworkError(f"no free pod IP in {self.block}")
+
+    def _names(self, ip: str) -> tuple[str, str]:
+        """The pod's namespace and the node's end of its veth."""
+        offset = int(ipaddress.IPv4Address(ip)) - int(self.block.network_address)
+        return f"pat-pod-{ip}", f"pv{offset}"
+
+    def add_pod(self, ip: str) -> str:
+        """The pod's sandbox: its namespace, wired to the node. Returns the namespace's path."""
+        name, veth = self._names(ip)
+        if (NETNS_DIR / name).exists():  # a try that failed half way
+            self.remove_pod(ip, free=False)
+        _ip("netns", "add", name)
+        wire = [f"link add {veth} type veth peer name eth0 netns {name}", f"link set {veth} up",
+                f"route add {ip}/32 dev {veth}"]
+        try:
+            _ip(netns=self.netns, batch=wire)
+        except NetworkError:  # the address's last pod's veth: its namespace is not destroyed yet, or outlived it
+            _ip("link", "del", veth, netns=self.netns, check=False)
+            _ip(netns=self.netns, batch=wire)
+        _ip(netns=name, batch=["link set lo up", f"addr add {ip}/32 dev eth0", "link set eth0 up",
+                               f"route add default via {self.node_ip} dev eth0 onlink"])
+        return str(NETNS_DIR / name)
+
+    def remove_pod(self, ip: str, free: bool = True) -> None:
+        """Delete the pod's namespace (killing what is left in it). The kernel destroys it, its veth and route with
+        it, a little later (deleting the veth here would cost ~20 ms, the namespace's name ~2): the address is given
+        again only after every other address of the block (allocate), and add_pod deletes a veth still there."""
+        _kill_netns(self._names(ip)[0])
+        if free:
+            self.free(ip)
+
+    def free(self, ip: str) -> None:
+        with self._lock:
+            self._pods.discard(ip)
+
+    def stop(self) -> None:
+        """Removes the pods' namespaces, the node's and its link, and gives the block back."""
+        self._relays.close()
+        if self._lock_fd is None:
+            return
+        for ip in list(self._pods):
+            self.remove_pod(ip)
+        self._sweep(self.blocks.index(self.block))
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+
+def _in_block(text: str, block: ipaddress.IPv4Network) -> bool:
+    try:
+        return ipaddress.IPv4Address(text) in block
+    except ValueError:
+        return False
+
+
+def _nameserver() -> str | None:
+    """The machine's first IPv4 resolver (/etc/resolv.conf), which the node's DNS relay asks."""
+    try:
+        for line in Path("/etc/resolv.conf").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "nameserver" and _is_ipv4(parts[1]):
+                return parts[1]
+    except OSError:
+        pass
+    return None
+
+
+def _is_ipv4(text: str) -> bool:
+    try:
+        ipaddress.IPv4Address(text)
+        return True
+    except ValueError:
+        return False
+
+
+_HOSTS_LOCK = threading.Lock()
+_HOSTS: dict[int, tuple[Path, list[str]]] = {}  # id(kubelet) -> its hosts file, its pods' lines
+
+
+def _publish_hosts(kubelet: ProcessKubelet, lines: list[str] | None) -> None:
+    """A kubelet's pods' hosts lines (None: it stopped). Pods resolve the pods of every node, as through a cluster's
+    DNS: each hosts file of this process lists those of all its kubelets. Rewritten in place, never replaced: every
+    pod has its node's file bind-mounted as /etc/hosts."""
+    head = ["# managed by the pat process kubelet", "127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost"]
+    with _HOSTS_LOCK:
+        if lines is None:
+            _HOSTS.pop(id(kubelet), None)
+        else:
+            _HOSTS[id(kubelet)] = (kubelet.hosts_file, lines)
+        data = ("\n".join(head + [line for _, own in _HOSTS.values() for line in own]) + "\n").encode()
+        for path, _ in _HOSTS.values():
+            with open(path, "r+b") as f:
+                f.write(data)
+                f.truncate()
+
+
+# ---- pods ------------------------------------------------------------------------------------------------------
+
 @dataclass
 class Container:
     spec: dict
@@ -293,6 +703,7 @@ class PodRun:
     main: list[Container]
     volumes: dict[str, Volume] | None = None
     tmpfs: list[Path] = field(default_factory=list)
+    netns: str | None = None  # the path of its network namespace, once made
     failure: tuple[str, str] | None = None  # a pod-level (reason, message) that fails the pod
     released: bool = False  # IP and hosts entry given back (the pod ended or is gone)
     terminating: bool = False
@@ -340,13 +751,15 @@ class ProcessKubelet:
         self.bin_dir = Path(bin_dir) if bin_dir else Path(sys.executable).parent
         self.labels = labels or {}
         self.hosts_file = self.root / "hosts"
+        self.resolv_file = self.root / "resolv.conf"
+        self.network: NodeNetwork | None = None
         self._workers = workers
         self._lock = threading.RLock()
         self._pods: dict[str, dict] = {}  # uid -> latest pod object bound to this node
         self._runs: dict[str, PodRun] = {}  # uid -> admitted pod
-        self._ips: set[str] = set()
         self._queue = WorkQueue()
         self._stopping = threading.Event()
+        self._stopped = False
         self._synced = threading.Event()
         self._threads: list[threading.Thread] = []
         self._watches: set = set()  # open watch responses, shut down by stop()
@@ -375,6 +788,9 @@ class ProcessKubelet:
         self._reaper = Reaper()
         self._probes = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kubelet-probe")
         atexit.register(self.stop)  # the pods' processes are in sessions of their own: kill them at any exit
+        api = urllib.parse.urlsplit(self.api.configuration.host)
+        self.network = NodeNetwork(self._kubernetes_service(), (api.hostname, api.port or 443)).start()
+        self.resolv_file.write_text(f"nameserver {self.network.node_ip}\n")  # the node's DNS relay
         self._register_node()
         node_selector = f"spec.nodeName={self.node_name}"
         self._spawn_thread("kubelet-heartbeat", self._heartbeat_loop)
@@ -396,7 +812,11 @@ class ProcessKubelet:
         self._threads.append(thread)
 
     def stop(self) -> None:
-        """Kill every process this kubelet started; the Node and the pods' API objects stay as they are."""
+        """Kill every process this kubelet started and remove the node's network; the Node and the pods' API objects
+        stay as they are."""
+        if self._stopped:
+            return
+        self._stopped = True
         atexit.unregister(self.stop)
         self._stopping.set()
         self._queue.close()
@@ -422,6 +842,9 @@ class ProcessKubelet:
             _shutdown(response)
         for thread in self._threads:
             thread.join(timeout=5)
+        _publish_hosts(self, None)
+        if self.network:
+            self.network.stop()
         self.api.close()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
@@ -461,7 +884,57 @@ class ProcessKubelet:
             raise RuntimeError(f"container {namespace}/{pod}/{container} is not running")
         return self._exec_in(run, c, argv, timeout)
 
+    def lose(self) -> None:
+        """The node dies as a machine does: its processes are SIGKILLed, its network (pod IPs, relays) goes, and it
+        stops acting on the API server: no heartbeats, no lease renewals, no pod status, no confirmed deletions (a
+        pod of it deleted gracefully stays Terminating until it is force-deleted). What the node-lifecycle controller
+        would do once it notices (40 s without a lease renewal) is done at once: the node's conditions turn Unknown,
+        it gets the taint node.kubernetes.io/unreachable:NoSchedule, and its pods are marked not Ready. The Node and
+        its pods' objects stay; stop() after lose() does nothing more."""
+        self.stop()
+        with kubernetes.config.new_client_from_config(self.kubeconfig) as api:  # the controller's, not the node's
+            core = kubernetes.client.CoreV1Api(api)
+            node = json.loads(core.read_node(self.node_name, _preload_content=False).data)
+            now = _now()
+            # Conditions first: with Ready still True, the controller would take the taint off again.
+            conditions = [{"type": c["type"], "status": "Unknown", "reason": "NodeStatusUnknown",
+                           "message": "Kubelet stopped posting node status.", "lastTransitionTime": now}
+                          for c in node["status"].get("conditions", [])]
+            core.patch_node_status(self.node_name, {"status": {"conditions": conditions}}, _content_type=SMP,
+                                   _preload_content=False)
+            taints = [t for t in node["spec"].get("taints") or [] if t["key"] != UNREACHABLE_TAINT]
+            core.patch_node(self.node_name, {"spec": {"taints": [*taints, {"key": UNREACHABLE_TAINT,
+                                                                           "effect": "NoSchedule"}]}},
+                            _content_type=MERGE, _preload_content=False)
+            pods = json.loads(core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.node_name}",
+                                                               _preload_content=False).data)["items"]
+            for pod in pods:
+                if pod["status"].get("phase") in ("Succeeded", "Failed"):
+                    continue
+                ready = {"type": "Ready", "status": "False", "lastTransitionTime": now}
+                try:
+                    core.patch_namespaced_pod_status(pod["metadata"]["name"], pod["metadata"]["namespace"],
+                                                     {"status": {"conditions": [ready]}}, _content_type=SMP,
+                                                     _preload_content=False)
+                except ApiException as e:
+                    if e.status != 404:
+                        raise
+
     # ---- node ------------------------------------------------------------------------------------------------
+
+    def _kubernetes_service(self, timeout: float = 30.0) -> tuple[str, int]:
+        """The `kubernetes` Service's cluster IP and port, which in-cluster clients are told to use (the API server
+        makes the Service right after it starts)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                service = json.loads(self.core.read_namespaced_service("kubernetes", "default",
+                                                                       _preload_content=False).data)
+                return service["spec"]["clusterIP"], service["spec"]["ports"][0]["port"]
+            except ApiException as e:
+                if e.status != 404 or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def _node_status(self) -> dict:
         amounts = {"cpu": "64", "memory": "256Gi", "pods": "1000", "ephemeral-storage": "1Ti",
@@ -476,7 +949,7 @@ class ProcessKubelet:
         uname = os.uname()
         return {
             "capacity": amounts, "allocatable": amounts, "conditions": conditions,
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
+            "addresses": [{"type": "InternalIP", "address": self.network.node_ip},
                           {"type": "Hostname", "address": self.node_name}],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
             "nodeInfo": {"machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": uname.release,
@@ -678,7 +1151,7 @@ class ProcessKubelet:
             for c in run.main:
                 c.reason = "PodInitializing"
         with self._lock:
-            run.ip = self._allocate_ip()
+            run.ip = self.network.node_ip if spec.get("hostNetwork") else self.network.allocate()
             self._runs[run.uid] = run
             self._write_hosts()  # before any process starts, so pods of one gang resolve each other at once
         return run
@@ -687,6 +1160,9 @@ class ProcessKubelet:
         """Start what may start now: the volumes, the next init container, then all containers."""
         if run.failure or run.terminating:
             return
+        if run.netns is None:  # the sandbox: a network namespace of its own, or the node's (hostNetwork)
+            run.netns = (str(NETNS_DIR / self.network.netns) if run.pod["spec"].get("hostNetwork")
+                         else self.network.add_pod(run.ip))
         try:
             if run.volumes is None:
                 run.volumes = self._prepare_volumes(run)
@@ -803,24 +1279,21 @@ class ProcessKubelet:
 
     def _release(self, run: PodRun) -> None:
         with self._lock:
-            if not run.released:
-                run.released = True
-                self._ips.discard(run.ip)
-                self._write_hosts()
-
-    def _allocate_ip(self) -> str:
-        for i in itertools.count(2):
-            if i & 0xFF in (0, 0xFF):
-                continue
-            ip = f"127.{i >> 16 & 0xFF}.{i >> 8 & 0xFF}.{i & 0xFF}"
-            if ip not in self._ips:
-                self._ips.add(ip)
-                return ip
-        raise AssertionError("unreachable")
+            if run.released:
+                return
+            run.released = True
+            self._write_hosts()
+        if not run.pod["spec"].get("hostNetwork"):
+            if self._stopping.is_set():
+                return  # the network goes as a whole
+            if run.netns:  # not under the lock: a few `ip` calls
+                self.network.remove_pod(run.ip)
+            else:
+                self.network.free(run.ip)
 
     def _write_hosts(self) -> None:
-        """Rewritten in place, never replaced: every pod has this very inode bind-mounted as /etc/hosts."""
-        lines = ["# managed by the pat process kubelet", "127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost"]
+        """This node's pods' names; each hosts file of this process lists those of all its nodes (_publish_hosts)."""
+        lines = []
         for run in self._runs.values():
             if run.released:
                 continue
@@ -832,10 +1305,7 @@ class ProcessKubelet:
                 names = [f"{namespaced}.svc.cluster.local", f"{namespaced}.svc", namespaced, short]
             names += dict.fromkeys(n for n in (spec.get("hostname"), meta["name"]) if n and n not in names)
             lines.append(f"{run.ip}\t{' '.join(names)}")
-        data = ("\n".join(lines) + "\n").encode()
-        with open(self.hosts_file, "r+b") as f:
-            f.write(data)
-            f.truncate()
+        _publish_hosts(self, lines)
 
     # ---- status ----------------------------------------------------------------------------------------------
 
@@ -887,7 +1357,7 @@ class ProcessKubelet:
         unready_reason = "PodCompleted" if phase == "Succeeded" else "ContainersNotReady"
         unready_message = f"containers with unready status: [{' '.join(unready)}]"
         status = {
-            "phase": phase, "hostIP": "127.0.0.1", "podIP": run.ip, "podIPs": [{"ip": run.ip}],
+            "phase": phase, "hostIP": self.network.node_ip, "podIP": run.ip, "podIPs": [{"ip": run.ip}],
             "startTime": run.start_time,
             "conditions": [
                 self._condition(run, "Initialized", initialized, "ContainersNotInitialized",
@@ -935,7 +1405,8 @@ class ProcessKubelet:
         c.env = self._container_env(run, spec)
         groups = [g for g in [pod_security.get("fsGroup"), *pod_security.get("supplementalGroups", [])] if g]
         c.identity = (uid, security.get("runAsGroup", 0), groups)
-        mounts = [{"source": str(self.hosts_file), "target": "/etc/hosts", "readonly": True}]
+        mounts = [{"source": str(self.hosts_file), "target": "/etc/hosts", "readonly": True},
+                  {"source": str(self.resolv_file), "target": "/etc/resolv.conf", "readonly": True}]
         if account := run.volumes.get(SERVICE_ACCOUNT_VOLUME):
             mounts.append({"source": str(account.path), "target": SERVICE_ACCOUNT_DIR, "readonly": True})
         for m in sorted(spec.get("volumeMounts", []), key=lambda m: len(Path(m["mountPath"]).parts)):
@@ -955,10 +1426,15 @@ class ProcessKubelet:
         return {
             "argv": [expand(a, c.env) for a in spec.get("command", []) + spec.get("args", [])],
             "workdir": spec.get("workingDir"), "uid": uid, "gid": c.identity[1], "groups": groups,
-            "hostname": pod_spec.get("hostname") or run.name,
+            "netns": run.netns, "hostname": self._hostname(run),
             "traversable": self._hidden_dirs if uid else [], "host": self._host_dirs,
             "mounts": mounts, "readonly_root": bool(security.get("readOnlyRootFilesystem")),
         }
+
+    def _hostname(self, run: PodRun) -> str:
+        """spec.hostname or the pod's name; a hostNetwork pod has the node's, as it shares the node's UTS namespace."""
+        spec = run.pod["spec"]
+        return self.node_name if spec.get("hostNetwork") else spec.get("hostname") or run.name
 
     def _base_env(self, run: PodRun, c: Container) -> dict[str, str]:
         """What an image would contribute: the container's own variables (PATH too) override it."""
@@ -967,11 +1443,12 @@ class ProcessKubelet:
             home = pwd.getpwuid(uid).pw_dir
         except KeyError:
             home = "/"
-        api = urllib.parse.urlsplit(self.api.configuration.host)
+        service_ip, service_port = self.network.service
         return {"PATH": f"{self.bin_dir}:{os.environ.get('PATH', '/usr/local/bin:/usr/bin:/bin')}",
-                "HOME": home, "HOSTNAME": run.pod["spec"].get("hostname") or run.name, "LANG": "C.UTF-8",
-                # What every pod gets from the `kubernetes` Service (enableServiceLinks or not).
-                "KUBERNETES_SERVICE_HOST": api.hostname, "KUBERNETES_SERVICE_PORT": str(api.port or 443)}
+                "HOME": home, "HOSTNAME": self._hostname(run), "LANG": "C.UTF-8",
+                # What every pod gets from the `kubernetes` Service (enableServiceLinks or not): its cluster IP,
+                # which the node relays to the API server (see Relays).
+                "KUBERNETES_SERVICE_HOST": service_ip, "KUBERNETES_SERVICE_PORT": str(service_port)}
 
     def _spawn(self, spec: dict, env: dict[str, str], stdout: object, stderr: object
                ) -> tuple[subprocess.Popen | None, str | None]:
@@ -1025,7 +1502,7 @@ class ProcessKubelet:
         if path in ("metadata.labels", "metadata.annotations"):  # downwardAPI volume files
             return "\n".join(f'{k}="{v}"' for k, v in sorted(meta.get(path.split(".")[1], {}).items()))
         values = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"], "metadata.uid": meta["uid"],
-                  "status.podIP": run.ip, "status.podIPs": run.ip, "status.hostIP": "127.0.0.1",
+                  "status.podIP": run.ip, "status.podIPs": run.ip, "status.hostIP": self.network.node_ip,
                   "spec.nodeName": self.node_name,
                   "spec.serviceAccountName": run.pod["spec"].get("serviceAccountName") or "default"}
         if path not in values:

@@ -1,14 +1,17 @@
-"""Exec helper of the process kubelet: sets up one container's mount and UTS namespaces, drops privileges, execs.
+"""Exec helper of the process kubelet: enters the pod's network namespace, sets up one container's mount and UTS
+namespaces, drops privileges, execs.
 
     python -I -S podexec.py SPEC_JSON
 
 Standard library only and no site import, so it starts in ~25 ms. SPEC_JSON keys:
   argv, workdir, uid, gid, groups   the command and the identity to run it as (uid None: stay root)
   errfd                             a pipe: a failure is written there, a successful exec closes it
-  and either, for a new container:  hostname, traversable [dir], mounts [{source, target, readonly}], readonly_root,
+  and either, for a new container:  netns: the pod's network namespace (a path under /run/netns), shared by its
+                                    containers; hostname, traversable [dir], mounts [{source, target, readonly}],
+                                    readonly_root,
                                     host [dir]: what the commands run from (the venv, the project), kept visible
                                     where a volume is mounted over them (an emptyDir at /tmp over a checkout there)
-  or, to run in a running one:      join_pid
+  or, to run in a running one:      join_pid: its network, mount and UTS namespaces are joined
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import stat
 import sys
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWNET = 0x40000000
 CLONE_NEWUTS = 0x04000000
 MS_RDONLY = 0x1
 MS_REMOUNT = 0x20
@@ -51,6 +55,15 @@ def umount(target: str) -> None:
     _check(libc.umount2(_b(target), MNT_DETACH), f"umount {target}")
 
 
+def setns(path: str, flag: int) -> None:
+    """Move the calling thread into the namespace that `path` names (/run/netns/NAME, /proc/PID/ns/net)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _check(libc.setns(fd, flag), f"setns {path}")
+    finally:
+        os.close(fd)
+
+
 def make_traversable(path: str) -> None:
     """Cover a directory that others may not enter (/root, holding a pyenv Python) with a tmpfs that they may,
     holding bind mounts of everything that was in it: the same tree, so a non-root container reaches the Python."""
@@ -72,8 +85,16 @@ def make_traversable(path: str) -> None:
 
 
 def new_container(spec: dict) -> None:
+    if spec.get("netns"):
+        setns(spec["netns"], CLONE_NEWNET)
     _check(libc.unshare(CLONE_NEWNS | CLONE_NEWUTS), "unshare")
     mount(None, "/", MS_REC | MS_PRIVATE)  # nothing mounted below propagates back to the host
+    try:
+        # The copies of the named network namespaces' mounts would keep every other pod's namespace alive for as long
+        # as this container runs: detach them here (the container is in its own namespace already).
+        umount("/run/netns")
+    except OSError:
+        pass  # not a mount point: no named namespaces
     name = spec["hostname"].encode()
     _check(libc.sethostname(name, len(name)), "sethostname")
     # Every source is opened before anything is mounted: a volume at /tmp would hide the kubelet's dir there.
@@ -109,8 +130,10 @@ def new_container(spec: dict) -> None:
 
 
 def join_container(pid: int) -> None:
-    for ns, flag in (("mnt", CLONE_NEWNS), ("uts", CLONE_NEWUTS)):
-        fd = os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY)
+    # Every namespace opened first: once in the container's mount namespace, its /proc may differ.
+    fds = [(os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY), ns, flag)
+           for ns, flag in (("net", CLONE_NEWNET), ("mnt", CLONE_NEWNS), ("uts", CLONE_NEWUTS))]
+    for fd, ns, flag in fds:
         _check(libc.setns(fd, flag), f"setns {ns} of pid {pid}")
         os.close(fd)
 

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import threading
@@ -134,13 +135,29 @@ def scrape_config(discovery_url: str) -> dict:
     }
 
 
+def _reachable_host() -> str:
+    """Where pods reach the server too (the chart test's operator pod queries it): the process kubelet's HOST_ADDRESS
+    where its network is up on this machine, else 127.0.0.1 (which is a pod's own loopback in the pod)."""
+    from tests.cluster.kubelet import HOST_ADDRESS
+
+    with socket.socket() as s:
+        try:
+            s.bind((HOST_ADDRESS, 0))
+            return HOST_ADDRESS
+        except OSError:
+            return "127.0.0.1"
+
+
 class PrometheusServer:
-    """start() runs it on 127.0.0.1 with its config, data and log under `root`; stop() ends it.
+    """start() runs it on HOST_ADDRESS (or 127.0.0.1: _reachable_host) with its config, data and log under `root`;
+    stop() ends it.
 
     `token` must let it list pods in all namespaces of the API server."""
 
-    def __init__(self, api_server: str, token: str, root: Path, ca_file: str | None = None) -> None:
+    def __init__(self, api_server: str, token: str, root: Path, ca_file: str | None = None,
+                 host: str | None = None) -> None:
         self.root = root
+        self.host = host or _reachable_host()
         self.config_file = root / "prometheus.yml"
         self._api = (api_server, token, ca_file)
         self._log = root / "prometheus.log"
@@ -150,7 +167,7 @@ class PrometheusServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._port}"
+        return f"http://{self.host}:{self._port}"
 
     @property
     def pid(self) -> int | None:
@@ -162,7 +179,7 @@ class PrometheusServer:
         with open(self._log, "wb") as log:
             self._process = subprocess.Popen(
                 ["prometheus", f"--config.file={self.config_file}", f"--storage.tsdb.path={self.root / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self._port}"],
+                 f"--web.listen-address={self.host}:{self._port}"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while not self._ready():

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from kubernetes.client import ApiException
 
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.fixtures import Cluster  # the fixtures themselves come from tests/conftest.py
+from tests.cluster.kubelet import HOST_ADDRESS, NETNS_DIR, POD_NETWORK, UNREACHABLE_TAINT
 
 GROUP, VERSION, PLURAL = "pat-test.example.com", "v1", "widgets"
 PYTHON = "python"  # resolves to the project's venv through the kubelet's PATH
@@ -113,6 +117,10 @@ def condition(pod: dict, kind: str) -> str:
     return next(c["status"] for c in pod["status"].get("conditions", []) if c["type"] == kind)
 
 
+def ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
 # ---- control plane ---------------------------------------------------------------------------------------------
 
 def test_control_plane_version_and_custom_objects(cluster: Cluster, widgets, namespace: str):
@@ -187,7 +195,8 @@ def test_pod_env_expansion_logs_and_exit_codes(cluster: Cluster, core, namespace
                           "NODE": pod["spec"]["nodeName"], "APP": "env", "SA": "default", "SECRET": "hunter2",
                           "COMBO": f"env/{namespace}", "MISSING": None}
     assert out["argv"] == ["env-x", "$(POD)", "$(UNDEFINED)"] and out["cwd"] == "/tmp"
-    assert pod["status"]["podIP"].startswith("127.") and pod["status"]["hostIP"] == "127.0.0.1"
+    assert ipaddress.ip_address(pod["status"]["podIP"]) in cluster.kubelet.network.block
+    assert pod["status"]["hostIP"] == cluster.kubelet.network.node_ip != pod["status"]["podIP"]
 
     pod = wait_ended(cluster, core, namespace, "exit3")
     assert pod["status"]["phase"] == "Failed"
@@ -272,9 +281,9 @@ def test_init_containers_run_first_and_a_failing_one_fails_the_pod(cluster: Clus
 
 
 SERVE_LATER = """
-import http.server, os, time
+import http.server, time
 time.sleep(2)
-server = http.server.HTTPServer((os.environ["IP"], 8080), http.server.SimpleHTTPRequestHandler)
+server = http.server.HTTPServer(("0.0.0.0", 8080), http.server.SimpleHTTPRequestHandler)
 print("serving", flush=True)
 server.serve_forever()
 """
@@ -282,7 +291,6 @@ server.serve_forever()
 
 def test_readiness_probe_gates_ready(cluster: Cluster, core, namespace: str):
     pod = pod_manifest("web", [PYTHON, "-c", SERVE_LATER], container={
-        "env": [{"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "http", "containerPort": 8080}],
         "readinessProbe": {"httpGet": {"port": "http", "path": "/"}, "periodSeconds": 1}})
     create_pods(core, namespace, pod)
@@ -296,7 +304,7 @@ def test_readiness_probe_gates_ready(cluster: Cluster, core, namespace: str):
 GANG_MEMBER = """
 import os, socket, sys, time
 me, peer = os.environ["ME"], os.environ["PEER"]
-server = socket.create_server((os.environ["IP"], 7000))
+server = socket.create_server(("0.0.0.0", 7000))
 deadline = time.monotonic() + 15
 while True:
     try:
@@ -313,23 +321,116 @@ print(socket.gethostname(), peer_ip, connection.recv(100).decode(), socket.getho
 """
 
 
-def test_gang_pods_resolve_each_other_and_share_a_port_number(cluster: Cluster, core, namespace: str):
+def gang(core, namespace: str, nodes: tuple[str | None, str | None] = (None, None)) -> None:
+    """Pods a and b of a headless Service `gang` (on those nodes), each serving on 0.0.0.0:7000 and greeting the other
+    by its DNS name."""
     core.create_namespaced_service(namespace, {"metadata": {"name": "gang"}, "spec": {
         "clusterIP": "None", "selector": {"gang": "g"}, "ports": [{"port": 7000}]}}, _preload_content=False)
     pods = []
-    for me, peer in (("a", "b"), ("b", "a")):
+    for (me, peer), node in zip((("a", "b"), ("b", "a")), nodes):
         pod = pod_manifest(me, [PYTHON, "-c", GANG_MEMBER], hostname=me, subdomain="gang", container={"env": [
-            {"name": "ME", "value": me}, {"name": "PEER", "value": peer},
-            {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]})
+            {"name": "ME", "value": me}, {"name": "PEER", "value": peer}]}, **({"nodeName": node} if node else {}))
         pod["metadata"]["labels"]["gang"] = "g"
         pods.append(pod)
     create_pods(core, namespace, *pods)
+
+
+def test_gang_pods_resolve_each_other_and_share_a_port_number(cluster: Cluster, core, namespace: str):
+    gang(core, namespace)
     a, b = (wait_ended(cluster, core, namespace, name) for name in ("a", "b"))
     assert a["status"]["phase"] == b["status"]["phase"] == "Succeeded", logs_of(cluster, namespace, "a", "b")
     a_ip, b_ip = a["status"]["podIP"], b["status"]["podIP"]
     assert a_ip != b_ip
     assert cluster.kubelet.log(namespace, "a", "main").split() == ["a", b_ip, "b", a_ip]
     assert cluster.kubelet.log(namespace, "b", "main").split() == ["b", a_ip, "a", b_ip]
+
+
+HELLO = """
+import http.server, socket
+class Hello(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = f"{socket.gethostname()} {self.client_address[0]}".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("0.0.0.0", 8080), Hello).serve_forever()
+"""
+
+GET = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+
+
+def test_pods_bind_one_port_on_all_addresses_and_are_reached_by_pod_ip(cluster: Cluster, core, namespace: str):
+    """Each pod has a network namespace of its own: two servers on 0.0.0.0:8080 both run; the host reaches each at its
+    pod IP (from HOST_ADDRESS, through the node), a pod reaches the other, and exec joins the pod's network."""
+    probe = {"httpGet": {"port": 8080, "path": "/"}, "periodSeconds": 1}
+    create_pods(core, namespace, *(pod_manifest(name, [PYTHON, "-c", HELLO], container={"readinessProbe": probe})
+                                   for name in ("one", "two")))
+    pods = {name: wait_pod(cluster, core, namespace, name, ready, "to be ready") for name in ("one", "two")}
+    ips = {name: pod["status"]["podIP"] for name, pod in pods.items()}
+    assert ips["one"] != ips["two"] and all(ipaddress.ip_address(ip) in POD_NETWORK for ip in ips.values())
+    for name, ip in ips.items():
+        with urllib.request.urlopen(f"http://{ip}:8080/", timeout=5) as response:
+            assert response.read().decode().split() == [name, HOST_ADDRESS]  # the machine, as pods see it
+    across = cluster.kubelet.exec(namespace, "one", "main", [PYTHON, "-c", GET, f"http://{ips['two']}:8080/"])
+    assert across.stdout.decode().split() == ["two", ips["one"]], across.stderr.decode()
+    inside = cluster.kubelet.exec(namespace, "two", "main", [PYTHON, "-c", GET, "http://127.0.0.1:8080/"])
+    assert inside.stdout.decode().split() == ["two", "127.0.0.1"], inside.stderr.decode()
+    for name in ips:
+        core.delete_namespaced_pod(name, namespace, grace_period_seconds=1, _preload_content=False)
+    for name, ip in ips.items():
+        wait_for(lambda: read_pod(core, namespace, name) is None, 15, f"pod {name} to be gone")
+        wait_for(lambda: not (NETNS_DIR / f"pat-pod-{ip}").exists(), 5, f"the network namespace of {name} to go")
+        with pytest.raises(OSError):  # no pod has the address now: refused at once, not a timeout
+            urllib.request.urlopen(f"http://{ip}:8080/", timeout=5)
+
+
+def test_a_host_network_pod_has_the_nodes_network(cluster: Cluster, core, namespace: str):
+    probe = {"httpGet": {"port": 8081, "path": "/"}, "periodSeconds": 1}
+    create_pods(core, namespace, pod_manifest("hostnet", [PYTHON, "-c", HELLO.replace("8080", "8081")],
+                                              hostNetwork=True, container={"readinessProbe": probe}))
+    pod = wait_pod(cluster, core, namespace, "hostnet", ready, "to be ready")
+    assert pod["status"]["podIP"] == pod["status"]["hostIP"] == cluster.kubelet.network.node_ip
+    with urllib.request.urlopen(f"http://{cluster.kubelet.network.node_ip}:8081/", timeout=5) as response:
+        assert response.read().decode().split()[0] == cluster.kubelet.node_name  # the node's hostname too
+
+
+API_CLIENT = """
+import kubernetes, os, socket, sys
+kubernetes.config.load_incluster_config()  # KUBERNETES_SERVICE_HOST/PORT, the token and the CA
+namespace = open("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read()
+pods = kubernetes.client.CoreV1Api().list_namespaced_pod(namespace).items
+print(os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"], *[p.metadata.name for p in pods])
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2)
+    print("loopback: the API server")
+except OSError:
+    print("loopback: the pod's own")
+"""
+
+
+def test_a_pod_reaches_the_api_server_through_the_kubernetes_service(cluster: Cluster, core, namespace: str):
+    """In-cluster config, as on a real cluster: the `kubernetes` Service's cluster IP (relayed by the node, as
+    kube-proxy would), the pod's ServiceAccount token and RBAC. The API server's own address (127.0.0.1 on the host)
+    is not the pod's to reach."""
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "lister"}}, _preload_content=False)
+    with cluster.api_client() as api:
+        rbac = kubernetes.client.RbacAuthorizationV1Api(api)
+        rbac.create_namespaced_role(namespace, {"metadata": {"name": "pods"}, "rules": [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]}, _preload_content=False)
+        rbac.create_namespaced_role_binding(namespace, {
+            "metadata": {"name": "lister"}, "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                                        "name": "pods"},
+            "subjects": [{"kind": "ServiceAccount", "name": "lister", "namespace": namespace}]},
+            _preload_content=False)
+    service = json.loads(core.read_namespaced_service("kubernetes", "default", _preload_content=False).data)["spec"]
+    port = urllib.parse.urlsplit(cluster.server).port
+    create_pods(core, namespace, pod_manifest("api", [PYTHON, "-c", API_CLIENT, str(port)],
+                                              serviceAccountName="lister"))
+    pod = wait_ended(cluster, core, namespace, "api")
+    assert pod["status"]["phase"] == "Succeeded", logs_of(cluster, namespace, "api")
+    assert cluster.kubelet.log(namespace, "api", "main").splitlines() == [
+        f"{service['clusterIP']} {service['ports'][0]['port']} api", "loopback: the pod's own"]
 
 
 # ---- volumes and security context ------------------------------------------------------------------------------
@@ -505,6 +606,48 @@ def _exists(read: Callable[[], object]) -> bool:
         if e.status == 404:
             return False
         raise
+
+
+# ---- nodes -----------------------------------------------------------------------------------------------------
+
+def test_pods_on_two_nodes_reach_each_other_by_name(cluster: Cluster, core, namespace: str, extra_node):
+    other = extra_node()
+    gang(core, namespace, nodes=(cluster.kubelet.node_name, other.node_name))
+    a, b = (wait_ended(cluster, core, namespace, name) for name in ("a", "b"))
+    logs = logs_of(cluster, namespace, "a") + other.log(namespace, "b", "main")
+    assert a["status"]["phase"] == b["status"]["phase"] == "Succeeded", logs
+    a_ip, b_ip = a["status"]["podIP"], b["status"]["podIP"]
+    assert ipaddress.ip_address(a_ip) in cluster.kubelet.network.block
+    assert ipaddress.ip_address(b_ip) in other.network.block
+    assert b["status"]["hostIP"] == other.network.node_ip != a["status"]["hostIP"]
+    assert cluster.kubelet.log(namespace, "a", "main").split() == ["a", b_ip, "b", a_ip]
+    assert other.log(namespace, "b", "main").split() == ["b", a_ip, "a", b_ip]
+
+
+def test_a_lost_node_keeps_its_pods_terminating_until_they_are_force_deleted(cluster: Cluster, core, namespace: str,
+                                                                            extra_node):
+    lost = extra_node()
+    create_pods(core, namespace, pod_manifest("stranded", ["sleep", "1000"], nodeName=lost.node_name))
+    wait_pod(cluster, core, namespace, "stranded", lambda p: p["status"].get("phase") == "Running", "to run")
+    [pid] = lost.pids(namespace, "stranded")
+    lost.lose()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    node = json.loads(core.read_node(lost.node_name, _preload_content=False).data)
+    assert {"key": UNREACHABLE_TAINT, "effect": "NoSchedule"} in node["spec"]["taints"]
+    assert next(c for c in node["status"]["conditions"] if c["type"] == "Ready")["status"] == "Unknown"
+
+    core.delete_namespaced_pod("stranded", namespace, _preload_content=False)  # graceful: the node must confirm it
+    time.sleep(4)
+    pod = read_pod(core, namespace, "stranded")
+    assert pod is not None and pod["metadata"]["deletionTimestamp"], "a dead node cannot confirm a deletion"
+    assert pod["status"]["phase"] == "Running" and condition(pod, "Ready") == "False"
+    core.delete_namespaced_pod("stranded", namespace, grace_period_seconds=0, _preload_content=False)
+    wait_for(lambda: read_pod(core, namespace, "stranded") is None, 10, "the force-deleted pod to be gone")
+
+    create_pods(core, namespace, pod_manifest("rescheduled", ["sleep", "1000"]))
+    pod = wait_pod(cluster, core, namespace, "rescheduled", lambda p: p["status"].get("phase") == "Running", "to run")
+    assert pod["spec"]["nodeName"] == cluster.kubelet.node_name  # the tainted node takes no new pods
 
 
 def test_node_stays_ready(cluster: Cluster, core):

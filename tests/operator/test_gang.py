@@ -3,6 +3,7 @@ workers; tests/operator/test_workers.py runs the real ones)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -11,6 +12,8 @@ import time
 import kubernetes
 import pytest
 from kubernetes.client.exceptions import ApiException
+
+from tests.cluster.kubelet import POD_NETWORK
 
 from .conftest import SERVE, SLEEP, job_doc, phase
 from .harness import SERVICE_ACCOUNT, SYSTEM_NAMESPACE, OperatorProcess
@@ -83,6 +86,27 @@ def test_an_operator_upgrade_that_changes_a_default_keeps_the_running_job(jobs, 
     assert not any("ImmutableFieldChanged" in e for e in jobs.events("upgrade"))
 
 
+def test_a_pod_stuck_terminating_on_a_lost_node_is_force_deleted_and_the_job_goes_on(jobs, cluster, extra_node):
+    node, home = extra_node(), cluster.kubelet.node_name
+    jobs.core.patch_node(home, {"spec": {"unschedulable": True}})  # so the gang lands on the node to lose
+    try:
+        jobs.create(job_doc("lost", SLEEP, SERVE, podDeletionTimeoutSeconds=2))
+        jobs.wait("lost", phase("Running"), "Running")
+    finally:
+        jobs.core.patch_node(home, {"spec": {"unschedulable": False}})
+    assert {p.spec.node_name for p in jobs.pods("lost")} == {node.node_name}
+    node.lose()
+    jobs.core.delete_namespaced_pod("lost-trainer-0", jobs.namespace)  # the eviction of a pod of a lost node
+    time.sleep(3)
+    assert all(p.metadata.deletion_timestamp for p in jobs.pods("lost")), "no kubelet confirms the deletions"
+    # Each stuck pod goes 2 s after its 30 s grace period; the next attempt then runs on the other node.
+    jobs.wait("lost", lambda j: j["status"].get("restarts") == 1 and phase("Running")(j), "restarted", timeout=120)
+    pods = jobs.pods("lost")
+    assert {(p.spec.node_name, p.metadata.labels["pat.dev/attempt"]) for p in pods} == {(home, "1")}
+    forced = [e for e in jobs.events("lost") if e.startswith("PodForceDeleted")]
+    assert len(forced) == 2 and "runPolicy.podDeletionTimeoutSeconds=2" in forced[0], forced
+
+
 def test_children_are_owned_labelled_and_the_gang_runs_when_all_are_ready(jobs, cluster):
     created = jobs.create(job_doc("gang", SLEEP, SERVE))
     job = jobs.wait("gang", phase("Running"), "Running")
@@ -96,7 +120,7 @@ def test_children_are_owned_labelled_and_the_gang_runs_when_all_are_ready(jobs, 
         assert obj.metadata.labels["pat.dev/job"] == "gang"
     pods = {p.metadata.name: p for p in jobs.pods("gang")}
     assert sorted(pods) == ["gang-generator-0", "gang-trainer-0"]
-    assert all(p.status.pod_ip.startswith("127.0.0.") for p in pods.values())
+    assert all(ipaddress.ip_address(p.status.pod_ip) in POD_NETWORK for p in pods.values())
     assert pods["gang-generator-0"].spec.security_context.run_as_user == 1000
     conditions = {c["type"]: c for c in job["status"]["conditions"]}
     assert conditions["Running"]["status"] == "True" and conditions["Running"]["observedGeneration"] == 1

@@ -109,7 +109,7 @@ def test_generator_pod_has_probe_shm_and_the_adaptive_tp_settings():
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     a = c["args"]
     flags = ("--ranks", "--controller", "--margin", "--tp-sizes", "--host", "--memory-utilization", "--device")
-    assert [a[a.index(f) + 1] for f in flags] == ["2", "operator", "0.3", "1,2", "$(POD_IP)", "0.85", "cpu"]
+    assert [a[a.index(f) + 1] for f in flags] == ["2", "operator", "0.3", "1,2", "0.0.0.0", "0.85", "cpu"]
     gpus = job(generator={"gpusPerPod": 2, "ranksPerPod": None})
     (c,) = builders.pod(gpus, "u", "generator", 0, 0)["spec"]["containers"]
     assert c["args"][c["args"].index("--device") + 1] == "cuda"
