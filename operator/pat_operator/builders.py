@@ -164,7 +164,7 @@ def pod(job: RLHFJob, uid: str, role: str, index: int, attempt: int) -> Manifest
                       for i in range(spec.generator.replicas)]
         args = commands.trainer_args(spec, SPEC_FILE, model_dir, run_dir, generators, "$(POD_IP)", index,
                                      pod_host(job, "trainer", 0), MASTER_PORT,
-                                     metrics_port=TRAINER_METRICS_PORT if index == 0 else 0)
+                                     metrics_port=TRAINER_METRICS_PORT if index == 0 else 0, bind="0.0.0.0")
         if (threads := _threads_per_rank(spec.trainer)) is not None:
             env.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
         ports = [{"name": "metrics", "containerPort": TRAINER_METRICS_PORT}]

@@ -56,7 +56,7 @@ def _vllm_generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_fil
 
 def trainer_args(spec: RLHFJobSpec, job_file: str, model_dir: str, run_dir: str, generators: list[str], host: str,
                  pod_index: int, master_addr: str, master_port: int, metrics_port: int = 0, weight_port: int = 0,
-                 token_file: str | None = None) -> list[str]:
+                 token_file: str | None = None, bind: str | None = None) -> list[str]:
     """One trainer pod: `pat trainer LAUNCH_OPTIONS -- RANK_OPTIONS` starts trainer.ranks rank processes through
     torch.distributed.run. Static rendezvous at trainer pod 0 with the pod's index as node rank, so global rank 0
     (metrics, weight sync, the generators' driver) is on pod 0. No restarts inside the pod: a dead rank fails the
@@ -70,4 +70,6 @@ def trainer_args(spec: RLHFJobSpec, job_file: str, model_dir: str, run_dir: str,
         rank += ["--tokenizer", spec.tokenizer.path]
     if token_file:
         rank += ["--token-file", token_file]
+    if bind:
+        rank += ["--bind", bind]
     return ["trainer", *launch, "--", *rank]

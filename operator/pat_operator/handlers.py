@@ -200,13 +200,17 @@ async def _carry_out(m: Memo, body: dict[str, Any], d: Decision) -> tuple[str, .
     if created:
         m.metrics.pods_created.inc(len(created))
         kopf.event(body, type="Normal", reason="CreatedPods", message=f"created {', '.join(created)}")
-    for pod, grace in [(p, None) for p in d.delete_pods] + [(p, 0) for p in d.force_delete_pods]:
+    for pod, why in [(p, None) for p in d.delete_pods] + list(d.force_delete_pods.items()):
         try:
-            await asyncio.to_thread(core.delete_namespaced_pod, pod, namespace, grace_period_seconds=grace)
+            await asyncio.to_thread(core.delete_namespaced_pod, pod, namespace,
+                                    grace_period_seconds=None if why is None else 0)
         except ApiException as e:
             if e.status != 404:
                 m.metrics.api_errors.labels("delete").inc()
                 errors.append(f"deleting pod {pod}: {_reason(e)}")
+        else:
+            if why is not None:
+                kopf.event(body, type="Warning", reason="PodForceDeleted", message=why)
     old = body.get("status") or {}
     if d.status != old:
         patch = {**{k: None for k in old if k not in d.status}, **d.status}

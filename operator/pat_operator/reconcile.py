@@ -106,7 +106,9 @@ class Decision:
     ensure: list[dict[str, Any]] = field(default_factory=list)  # children that must exist (created once)
     create_pods: list[dict[str, Any]] = field(default_factory=list)
     delete_pods: list[str] = field(default_factory=list)
-    force_delete_pods: list[str] = field(default_factory=list)  # without a grace period: stuck Terminating
+    # Stuck Terminating: deleted without a grace period, each with its PodForceDeleted event's message (posted only
+    # by the delete that removed it: the watch may show the pod once more after that).
+    force_delete_pods: dict[str, str] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     delete_job: bool = False
     wake_after: float | None = None  # seconds until something is due (a backoff, a deadline, a TTL)
@@ -179,11 +181,10 @@ def _force_stuck(d: Decision, obs: Observed, timeout: int) -> Decision:
         if over < timeout:
             d.wake_after = min(w for w in (d.wake_after, timeout - over) if w is not None)
             continue
-        d.force_delete_pods.append(p.name)
-        d.events.append(Event("Warning", "PodForceDeleted", (
+        d.force_delete_pods[p.name] = (
             f"pod {p.name} was still Terminating {over:.0f} s after its grace period ended (runPolicy."
             f"podDeletionTimeoutSeconds={timeout}): its node is likely lost; force-deleted from the API server, "
-            f"its processes may still run there until the node is back")))
+            f"its processes may still run there until the node is back")
     return d
 
 

@@ -12,6 +12,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -75,16 +76,21 @@ def test_a_vllm_job_syncs_weights_every_iteration_resumes_after_a_pod_kill_and_s
                                         for g in (j.get("status") or {}).get("generators", [])),
                     "the generator's queue in status", timeout=300, explain=logs)
     _dev_endpoints_are_refused_from_another_pod(jobs, cluster, name)
-    # A user's load through the pod's OpenAI API (behind the job token) keeps vLLM busy for seconds, long enough for
-    # the 1 s scrapes and the operator's 2 s observations to see it (the trainer's own batches may be shorter).
-    load = threading.Thread(target=_openai_load, args=(jobs, name))
+    # A user's load through the pod's OpenAI API (behind the job token), one call after another until the event
+    # comes, keeps vLLM busy long enough for the 1 s scrapes and the operator's 2 s observations to see it (one
+    # call, or the trainer's own batches, may take under a second here).
+    stop, served = threading.Event(), []
+    load = threading.Thread(target=_openai_load, args=(jobs, name, stop, served))
     load.start()
     try:
         jobs.wait(name, lambda j: any(e.startswith(f"GeneratorQueue: pod {name}-generator-0: ") and
                                       "vllm:num_requests" in e for e in jobs.events(name)),
-                  "a GeneratorQueue event from vLLM's series", timeout=120, explain=lambda: str(jobs.events(name)))
+                  "a GeneratorQueue event from vLLM's series", timeout=120,
+                  explain=lambda: f"{jobs.events(name)}; {len(served)} load call(s) served")
     finally:
+        stop.set()
         load.join()
+    assert served, "no load call was served"
     job = jobs.wait(name, lambda j: j["status"].get("iteration", 0) >= 1, "iteration 1", timeout=240, explain=logs)
     # Kill the vLLM pod (its pod API process and with it the engines) while iteration 2 runs.
     (pid,) = cluster.kubelet.pids(jobs.namespace, f"{name}-generator-0")
@@ -126,8 +132,9 @@ def test_a_model_vllm_cannot_load_fails_the_job_with_vllms_own_message(jobs, clu
     assert "Model architectures ['NoSuchModelForCausalLM'] are not supported" in failed["message"], failed
 
 
-def _openai_load(jobs, name: str) -> None:
-    """128 prompts of 120 tokens each in one /v1/completions call through the generator pod's proxy."""
+def _openai_load(jobs, name: str, stop: threading.Event, served: list[float]) -> None:
+    """128 prompts of 120 tokens each per /v1/completions call through the generator pod's proxy, call after call
+    until `stop`; each served call's seconds go to `served`."""
     token = base64.b64decode(jobs.core.read_namespaced_secret(f"{name}-token", jobs.namespace).data["token"]).decode()
     generator = next(p for p in jobs.pods(name) if p.metadata.name == f"{name}-generator-0")
     body = {"model": "policy", "prompt": [[256] + [(7 * i + j) % 250 for j in range(7)] for i in range(128)],
@@ -135,8 +142,11 @@ def _openai_load(jobs, name: str) -> None:
     request = urllib.request.Request(f"http://{generator.status.pod_ip}:8000/v1/completions",
                                      json.dumps(body).encode(), {"Content-Type": "application/json",
                                                                   "Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=300) as response:
-        assert len(json.loads(response.read())["choices"]) == 128
+    while not stop.is_set():
+        started = time.monotonic()
+        with urllib.request.urlopen(request, timeout=300) as response:
+            assert len(json.loads(response.read())["choices"]) == 128
+        served.append(time.monotonic() - started)
 
 
 PROBE = """

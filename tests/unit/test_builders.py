@@ -67,7 +67,8 @@ def test_trainer_pods_run_one_rank_per_gpu_through_torch_distributed_run():
         assert launch_options(c["args"]) == {"--nnodes": "2", "--nproc-per-node": "4", "--node-rank": str(i),
                                              "--master-addr": host0, "--master-port": "29500", "--max-restarts": "0"}
         rank = c["args"][c["args"].index("--") + 1:]
-        assert rank[rank.index("--host") + 1] == "$(POD_IP)"  # rank 0 serves weights and metrics at the pod's IP
+        assert rank[rank.index("--host") + 1] == "$(POD_IP)"  # where the generators reach rank 0's weights
+        assert rank[rank.index("--bind") + 1] == "0.0.0.0"  # its metrics listen on every address, as a pod's do
         assert rank[rank.index("--metrics-port") + 1] == ("9100" if i == 0 else "0")
         # torchrun sets the rank variables per process; no CPUs asked for: torchrun's thread default stays
         assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS"} & env_of(c).keys()

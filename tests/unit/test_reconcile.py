@@ -104,13 +104,12 @@ def test_a_pod_stuck_terminating_past_the_timeout_is_force_deleted_and_the_next_
     # Its deletion (grace period over at T0 + 35 s) is never confirmed: no kubelet on that node.
     stuck = [p.__class__(**{**p.__dict__, "deletion": T0 + timedelta(seconds=35)}) for p in gang]
     d = step(doc, stuck, T0 + timedelta(seconds=60))
-    assert d.force_delete_pods == [] and "PodForceDeleted" not in reasons(d)
-    assert d.wake_after == 1.0  # the restart polls; the timeout (95 s away) is later
+    assert d.force_delete_pods == {} and d.wake_after == 1.0  # the restart polls; the timeout (95 s away) is later
     d = step(doc, stuck[:1], T0 + timedelta(seconds=35 + 119))
-    assert d.force_delete_pods == [] and d.create_pods == []
+    assert d.force_delete_pods == {} and d.create_pods == []
     d = step(doc, stuck[:1], T0 + timedelta(seconds=35 + 120))
-    assert d.force_delete_pods == [stuck[0].name] and reasons(d) == ["PodForceDeleted"]
-    assert "runPolicy.podDeletionTimeoutSeconds=120" in d.events[0].message
+    assert list(d.force_delete_pods) == [stuck[0].name] and d.create_pods == []
+    assert "runPolicy.podDeletionTimeoutSeconds=120" in d.force_delete_pods[stuck[0].name]
     d = step(doc, [], T0 + timedelta(seconds=35 + 121))
     assert {p["metadata"]["labels"][builders.LABEL_ATTEMPT] for p in d.create_pods} == {"1"}
 
@@ -126,7 +125,7 @@ def test_the_wake_up_comes_when_a_terminating_pod_is_due():
                                         "lastTransitionTime": "2026-01-01T00:00:01Z"})
     stuck = [gang[0].__class__(**{**gang[0].__dict__, "deletion": T0 + timedelta(seconds=31)})]
     d = step(doc, stuck, T0 + timedelta(seconds=41))
-    assert d.wake_after == 50 and d.force_delete_pods == []
+    assert d.wake_after == 50 and d.force_delete_pods == {}
 
 
 def test_backoff_doubles_up_to_the_cap():

@@ -94,7 +94,7 @@ class TrainerMetrics:
 class Trainer:
     def __init__(self, spec: RLHFJobSpec, model_dir: Path, run_dir: Path, pods: list[str], token: str,
                  host: str = "127.0.0.1", weight_port: int = 0, metrics_port: int = 0,
-                 tokenizer_dir: Path | None = None):
+                 tokenizer_dir: Path | None = None, bind: str | None = None):
         self.spec, self.alg = spec, spec.algorithm
         self.run_dir, self.ckpt_dir = run_dir, run_dir / "checkpoints"
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -128,7 +128,7 @@ class Trainer:
         if self.rank == 0:
             self.pods, self.token = pods, token
             self.weight_address = f"{host}:{weight_port}"  # port 0: any free one, sent to the pods in each update
-            self.metrics = TrainerMetrics(host, metrics_port)
+            self.metrics = TrainerMetrics(bind or host, metrics_port)
             self.loop = asyncio.new_event_loop()
             self.sender: WeightSender | None = None
             (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
@@ -438,6 +438,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--token-file", help="the job's bearer token (default: env PAT_JOB_TOKEN)")
     ap.add_argument("--host", required=True, help="the address rank 0 serves the weight sync and metrics on, "
                     "reachable from the generator pods (the pod's IP)")
+    ap.add_argument("--bind", help="the address the metrics server listens on (default: --host; in a pod 0.0.0.0, "
+                    "as a real node's port-forward needs)")
     ap.add_argument("--weight-port", type=int, default=0, help="weight-sync store port (0: any free port)")
     ap.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port (0: none)")
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (default: the model directory)")
@@ -445,5 +447,5 @@ def main(argv: list[str] | None = None) -> None:
     token = Path(args.token_file).read_text().strip() if args.token_file else os.environ["PAT_JOB_TOKEN"]
     trainer = Trainer(load_job(args.job).spec, Path(args.model), Path(args.run_dir), args.generators.split(","),
                       token, args.host, args.weight_port, args.metrics_port,
-                      Path(args.tokenizer) if args.tokenizer else None)
+                      Path(args.tokenizer) if args.tokenizer else None, args.bind)
     trainer.run()
