@@ -53,7 +53,7 @@ def test_pod_mode_merges_in_the_tail(planning_pod, reference):
     """TAIL_PROFILE makes 2 x TP1 the better start for 8 sequences and TP2 10x faster for the last one."""
     pod = planning_pod
     before = _applied_regroups(pod)
-    requests = long_tailed(8, long=400, tag="tail")  # a tail of ~100 ms: a loaded machine still merges in it
+    requests = long_tailed(8, long=480, tag="tail")  # a tail long enough that a loaded machine still merges in it
     pod.submit("tail", requests)
     assert pod.state()["layout"] == [1, 1], "the planner should start this batch at 2 x TP1"
     completions = pod.finish("tail")
