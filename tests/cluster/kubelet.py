@@ -612,7 +612,8 @@ class NodeNetwork:
         self._lock_fd = None
 
 
-def _in_block(text: str, block: ipaddress.IPv4Network) -> bool:
+def _in_block(text: str, block: ipaddress.IPv4Network = ipaddress.IPv4Network("0.0.0.0/0")) -> bool:
+    """Whether `text` is an IPv4 address in `block` (by default: any IPv4 address)."""
     try:
         return ipaddress.IPv4Address(text) in block
     except ValueError:
@@ -624,19 +625,11 @@ def _nameserver() -> str | None:
     try:
         for line in Path("/etc/resolv.conf").read_text().splitlines():
             parts = line.split()
-            if len(parts) >= 2 and parts[0] == "nameserver" and _is_ipv4(parts[1]):
+            if len(parts) >= 2 and parts[0] == "nameserver" and _in_block(parts[1]):
                 return parts[1]
     except OSError:
         pass
     return None
-
-
-def _is_ipv4(text: str) -> bool:
-    try:
-        ipaddress.IPv4Address(text)
-        return True
-    except ValueError:
-        return False
 
 
 _HOSTS_LOCK = threading.Lock()
