@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import yaml
 from kubernetes.client.exceptions import ApiException
 
 from pat_operator import crd
+from tests.cluster.controlplane import free_port
 
 ROOT = Path(__file__).parents[2]
 RULES = ROOT / "charts" / "pat-operator" / "files" / "operator-rules.yaml"
@@ -28,12 +28,6 @@ PEERING_CRDS = ROOT / "crds" / "kopf-peering.yaml"
 SYSTEM_NAMESPACE = "pat-system"
 SERVICE_ACCOUNT = "pat-operator"
 PEERING = "pat-operator"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _create(fn, *args) -> None:
