@@ -71,8 +71,8 @@ class Planned:
             for rank in step.group:
                 self.steps[rank] += 1
             self.controller.step()  # a step of any group counts toward the cooldown
-        if step.batch and not step.prefill_tokens:
-            self.profile.observe(len(step.group), step.batch, step.seconds, step.context)
+        if step.batch and not step.prefill_tokens:  # the guard and the profile's refinement see decode steps
+            self.controller.observe(step.group, step.batch, step.seconds, step.context, self.profile)
 
     def __call__(self, g: LocalGenerator) -> Layout | None:
         loads = g.loads()
@@ -221,6 +221,7 @@ def main() -> int:
     summary = {
         "adaptive_over_fixed_dp": round(means["adaptive"] / means["fixed DP"], 4),
         "adaptive_over_fixed_tp": round(means["adaptive"] / means["fixed TP"], 4),
+        "adaptive_over_best_fixed": round(means["adaptive"] / min(means["fixed DP"], means["fixed TP"]), 4),
         "regroup_fraction": round(max(sum(x.seconds for x in r.regroups) / r.seconds
                                       for r in runs["adaptive"] + runs["tail-only"]), 5),
         "adaptive_start_layout": list(first),

@@ -6,7 +6,8 @@ n(k) = sum of its requests' survivals at its k-th next decode step, holding c(k)
 one's KV tokens then; that step takes T(t, n(k), c(k)) seconds (Profile), so its remaining time is
 sum_k T(t, n(k), c(k)); the pod is done when its slowest group is. A regroup costs a fixed
 barrier plus resharding the requests it touches (RegroupCosts). plan() regroups when the predicted gain beats
-that cost by a margin; Controller adds a cooldown around it.
+that cost by a margin; Controller adds a cooldown around it, and a guard that judges each regroup by the steps it
+delivers (a profile can be wrong: a loaded host, another model than the one profiled, a stale offline table).
 
 During a rollout batch only merges are candidates: a split would move requests away from the ranks that hold
 their caches, for no gain in a shrinking tail. At a batch boundary nothing is cached, so every valid layout is.
@@ -189,18 +190,26 @@ class Profile:
         (negative when they hold less). Linear: for steps summed, the sums' term."""
         return self.kv_seconds[tp] * (context - batch * self.decode_context)
 
-    def observe(self, tp: int, batch: int, seconds: float, context: float | None = None) -> None:
+    def observe(self, tp: int, batch: float, seconds: float, context: float | None = None,
+                at_once: bool = False) -> None:
         """A measured decode step (holding `context` KV tokens, if known): the nearest measured batch size (the
         smaller on ties) moves toward it by REFINE_WEIGHT of the relative error, an EMA of the ratio observed /
-        predicted."""
+        predicted. at_once: the whole row of that TP size is scaled, uncapped, so that it predicts exactly this step
+        (the guard's correction, from the median of several steps: a wrong profile is mostly wrong in scale, a
+        loaded host or another model; the EMA refines its shape)."""
         if batch < 1 or seconds <= 0:
             raise ValueError(f"observed step TP={tp} batch={batch} seconds={seconds}: a decode step has "
                              f"batch >= 1 and seconds > 0")
-        ratio = seconds / max(self.step_seconds(tp, batch, context), 1e-12)
-        ratio = min(max(ratio, 1 / self.REFINE_MAX_RATIO), self.REFINE_MAX_RATIO)
-        bs = self._batches[tp]
-        nearest = min(range(len(bs)), key=lambda i: (abs(bs[i] - batch), bs[i]))
-        self._seconds[tp][nearest] *= 1 + self.REFINE_WEIGHT * (ratio - 1)
+        if at_once:
+            table = self.step_seconds(tp, batch)
+            beyond = self.context_seconds(tp, batch, context) if context is not None else 0.0
+            ratio = max(seconds - beyond, 1e-12) / max(table, 1e-12)  # the table's part of the step
+            self._seconds[tp] = [t * ratio for t in self._seconds[tp]]
+        else:
+            ratio = seconds / max(self.step_seconds(tp, batch, context), 1e-12)
+            ratio = 1 + self.REFINE_WEIGHT * (min(max(ratio, 1 / self.REFINE_MAX_RATIO), self.REFINE_MAX_RATIO) - 1)
+            bs = self._batches[tp]
+            self._seconds[tp][min(range(len(bs)), key=lambda i: (abs(bs[i] - batch), bs[i]))] *= ratio
         self._fit(tp)
 
     def _fit(self, tp: int) -> None:
@@ -366,21 +375,51 @@ def plan(layout: Sequence[int], running: Mapping[Group, Sequence[Request]], prof
     return Decision(None, stay, best_seconds, cost, f"stay: the gain is under the {margin:.0%} margin ({change})")
 
 
+@dataclass
+class _Watch:
+    """A regrouped group on trial: the groups it replaced, their last measured steps, and its own first ones."""
+    members: list[Group]
+    measured: list[tuple[int, float, float, float | None]]  # members' median steps: (tp, batch, seconds, context)
+    steps: list[tuple[float, float, float | None]] | None = None  # its decode steps once applied
+
+
 class Controller:
     """Hysteresis around plan(): a cooldown after each regroup, and no planning while one is in flight (from a
     decide() that proposed it until regrouped()). due() says when a pod asks again: once a request finished
-    since the last decide() (else every REPLAN_STEPS decode steps), as a decision barely changes in between."""
+    since the last decide() (else every REPLAN_STEPS decode steps), as a decision barely changes in between.
+
+    The guard (observe(), fed every decode step) judges each regroup by what it delivers. A group the planner
+    formed (a merge, or a layout picked at a batch boundary) is on trial for its first GUARD_STEPS decode steps.
+    Then the profile rows of its TP size, and of the groups it replaced where they ran GUARD_STEPS steps just
+    before, are corrected at once to those steps' medians. The group lost if its step is no faster than the groups
+    it replaced would take for the same requests by the corrected profile: it is split back into them at the next
+    decide() (the engine moves or recomputes the requests, losing none), and the margin goes up by GUARD_RAISE
+    for the rest of this batch and the next, so a wrong profile costs one regroup, not one per batch. Every step
+    also refines the profile slowly (Profile.observe). With guard=False the profile is trusted as it was given.
+    """
 
     REPLAN_STEPS = 16  # decode steps (of any group) between decisions while no request finishes
+    GUARD_STEPS = 4  # decode steps that judge a regrouped group: the median, so one outlier step does not
+    GUARD_RAISE = 0.25  # a losing regroup adds this to the margin ...
+    GUARD_BATCHES = 2  # ... until this many more batches have started (the rest of this one and the next)
 
-    def __init__(self, tp_sizes: Sequence[int], margin: float = 0.1, cooldown_steps: int = 4):
+    def __init__(self, tp_sizes: Sequence[int], margin: float = 0.1, cooldown_steps: int = 4, guard: bool = True):
         if cooldown_steps < 0:
             raise ValueError(f"cooldown_steps={cooldown_steps}: use 0 or more decode steps")
-        self.tp_sizes, self.margin, self.cooldown_steps = list(tp_sizes), margin, cooldown_steps
+        self.tp_sizes, self.margin, self.cooldown_steps, self.guard = list(tp_sizes), margin, cooldown_steps, guard
         self._cooldown = 0  # decode steps to wait before planning again
         self._in_flight = False
         self._decided_for: int | None = None  # unfinished requests at the last decide()
         self._steps_since = 0  # decode steps since the last decide()
+        self._recent: dict[Group, deque[tuple[float, float, float | None]]] = {}  # group -> last decode steps
+        self._trials: dict[Group, _Watch] = {}  # groups on trial (proposed, then applied)
+        self._lost: dict[Group, list[Group]] = {}  # groups that lost their trial -> the groups to split them into
+        self._raised_batches = 0  # batch starts left with the raised margin
+        self.verdicts: list[str] = []  # one line per judged group, for the pod's log
+
+    @property
+    def effective_margin(self) -> float:
+        return self.margin + (self.GUARD_RAISE if self._raised_batches else 0.0)
 
     def step(self) -> None:
         """One decode step happened."""
@@ -388,26 +427,75 @@ class Controller:
         self._steps_since += 1
 
     def due(self, unfinished: int) -> bool:
-        """Whether to decide() now: a request finished since the last decision, or REPLAN_STEPS steps passed."""
-        return unfinished != self._decided_for or self._steps_since >= self.REPLAN_STEPS
+        """Whether to decide() now: a request finished since the last decision, REPLAN_STEPS steps passed, or a
+        regroup lost its trial."""
+        return bool(self._lost) or unfinished != self._decided_for or self._steps_since >= self.REPLAN_STEPS
+
+    def observe(self, group: Group, batch: int, seconds: float, context: float | None, profile: Profile) -> None:
+        """A decode step of `group` (no prefill in it): refines the profile, and judges a group on trial."""
+        if not self.guard:
+            return
+        tp = len(group)
+        if tp in profile.tp_sizes:
+            profile.observe(tp, batch, seconds, context)
+        recent = self._recent.setdefault(group, deque(maxlen=self.GUARD_STEPS))
+        recent.append((batch, seconds, context))
+        trial = self._trials.get(group)
+        if trial is None or self._in_flight or trial.steps is None:
+            return
+        trial.steps.append((batch, seconds, context))
+        if len(trial.steps) < self.GUARD_STEPS:
+            return
+        del self._trials[group]
+        batch, seconds, context = _median_step(trial.steps)
+        predicted = profile.step_seconds(tp, batch, context) if tp in profile.tp_sizes else math.nan
+        for step in [(tp, batch, seconds, context)] + trial.measured:
+            if step[0] in profile.tp_sizes:
+                profile.observe(*step, at_once=True)
+        # Staying would have run these `batch` requests spread over the members, each as the (corrected) profile
+        # says: anchored at what they measured, shaped by the table.
+        stay = max(profile.step_seconds(len(h), math.ceil(batch * len(h) / len(group))) for h in trial.members)
+        lost = seconds >= stay
+        self.verdicts.append(f"guard: {'+'.join(map(str, map(len, trial.members)))}->{tp} "
+                             f"{'lost' if lost else 'held'}: a step of {batch:g} takes {1e3 * seconds:.4g} ms "
+                             f"(predicted {1e3 * predicted:.4g}), staying {1e3 * stay:.4g} ms")
+        if lost:
+            self._lost[group] = trial.members
+            self._raised_batches = self.GUARD_BATCHES
 
     def decide(self, layout: Sequence[int], running: Mapping[Group, Sequence[Request]], profile: Profile,
                predictor: LengthPredictor, costs: RegroupCosts) -> Decision:
-        """plan() during a batch, unless a regroup is in flight or cooling down. Call regrouped() once a
-        proposed layout has been applied (or has failed)."""
+        """plan() during a batch, unless a regroup is in flight, cooling down or on trial; or a split back of a
+        group that lost its trial. Call regrouped() once a proposed layout has been applied (or has failed)."""
         self._decided_for, self._steps_since = sum(map(len, running.values())), 0
         if self._in_flight:
             return Decision(None, 0.0, 0.0, 0.0, "in flight: the proposed regroup is not applied yet")
+        # A trial ends without a verdict when its group is gone (a failed regroup) or has nothing left to run.
+        self._trials = {g: t for g, t in self._trials.items() if running.get(g)}
+        lost = {g: members for g, members in self._lost.items() if g in groups(layout)}
+        self._lost = {}
+        if lost:
+            split = tuple(len(h) for g in groups(layout) for h in lost.get(g, [g]))
+            self._in_flight = True
+            return Decision(split, 0.0, 0.0, 0.0,
+                            f"split back {layout}->{split}: {'; '.join(self.verdicts[-len(lost):])}")
         if self._cooldown:
             return Decision(None, 0.0, 0.0, 0.0, f"cooldown: {self._cooldown} more decode step(s) after the "
                                                  f"last regroup")
-        decision = plan(layout, running, profile, predictor, costs, self.tp_sizes, self.margin)
+        if self._trials:
+            return Decision(None, 0.0, 0.0, 0.0, "on trial: a regrouped group has not run its first "
+                                                 f"{self.GUARD_STEPS} decode steps")
+        decision = plan(layout, running, profile, predictor, costs, self.tp_sizes, self.effective_margin)
         self._in_flight = decision.layout is not None
+        if decision.layout is not None:
+            self._try(layout, decision.layout, {g: len(r) for g, r in running.items()}, profile)
         return decision
 
     def regrouped(self) -> None:
-        """A regroup was applied: start the cooldown."""
+        """A regroup was applied: start the cooldown, and the trials of the groups it formed."""
         self._in_flight, self._cooldown = False, self.cooldown_steps
+        for trial in self._trials.values():
+            trial.steps = []
 
     def start_batch(self, world: int, prompts: Sequence[int], profile: Profile, predictor: LengthPredictor,
                     costs: RegroupCosts, layout: Sequence[int] | None = None) -> Decision:
@@ -415,9 +503,38 @@ class Controller:
         all TP=1), for prompts of these lengths spread over the groups as the pod submits them. Resets the
         cooldown; the caller applies the layout before submitting, no regrouped() needed."""
         self._in_flight, self._cooldown, self._decided_for = False, 0, None
+        self._trials, self._lost, self._recent = {}, {}, {}
+        self._raised_batches = max(self._raised_batches - 1, 0)
         layout = tuple(layout) if layout is not None else uniform(world)
         running = spread([(prompt, 0) for prompt in prompts], groups(layout))
-        return plan(layout, running, profile, predictor, costs, self.tp_sizes, self.margin, at_boundary=True)
+        decision = plan(layout, running, profile, predictor, costs, self.tp_sizes, self.effective_margin,
+                        at_boundary=True)
+        if decision.layout is not None:
+            self._try(layout, decision.layout, {g: len(r) for g, r in running.items()}, profile)
+            self.regrouped()
+            self._cooldown = 0
+        return decision
+
+    def _try(self, old: Layout, new: Layout, batches: Mapping[Group, int], profile: Profile) -> None:
+        """Put the groups of `new` that are not in `old` on trial, with what their members ran at before."""
+        if not self.guard:
+            return
+        kept = set(groups(old))
+        for g in groups(new):
+            if g in kept:
+                continue
+            members = [h for h in groups(old) if set(h) <= set(g)]
+            if any(len(h) not in profile.tp_sizes for h in members):
+                continue  # nothing to judge it against
+            measured = [(len(h), *_median_step(self._recent[h])) for h in members
+                        if batches.get(h) and len(self._recent.get(h, ())) == self.GUARD_STEPS]
+            self._trials[g] = _Watch(members, measured)
+
+
+def _median_step(steps: Iterable[tuple[float, float, float | None]]) -> tuple[float, float, float | None]:
+    """The step of median seconds (its batch and context with it)."""
+    ordered = sorted(steps, key=lambda s: s[1])
+    return ordered[len(ordered) // 2]
 
 
 def _layouts(world: int, tp_sizes: Sequence[int], keep: set[Group]) -> list[Layout]:

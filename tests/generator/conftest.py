@@ -30,9 +30,12 @@ TOKEN = "test-job-token"
 MAX_BATCH, MAX_SEQ = 8, 512
 MODEL_SEED = 1
 # An offline profile in which TP=2 is 10x faster than TP=1 for one sequence and much slower for many: the pod
-# should start a batch at 2 x TP1 and merge into TP2 once a single sequence is left.
-TAIL_PROFILE = {"decode": {"1": {"1": 0.02, "2": 0.021, "4": 0.022, "8": 0.024, "16": 0.03},
-                           "2": {"1": 0.002, "2": 0.02, "4": 0.08, "8": 0.3, "16": 1.0}}}  # no context term
+# should start a batch at 2 x TP1 and merge into TP2 once a single sequence is left. TP=1 is near what the test
+# model's steps take (mostly Python overhead); TP=2 lies, and more so in the planning pods, whose TP=2 steps stall
+# 3 ms more (a slow link, SLOW_TP2).
+TAIL_PROFILE = {"decode": {"1": {"1": 0.0015, "2": 0.0016, "4": 0.0017, "8": 0.0019, "16": 0.0023},
+                           "2": {"1": 0.00015, "2": 0.02, "4": 0.08, "8": 0.3, "16": 1.0}}}  # no context term
+SLOW_TP2 = "decode.tp@0~0.003,decode.tp@1~0.003"  # engine/faults.py: both ranks of a TP=2 group, every step
 
 
 class Pod:
@@ -171,14 +174,16 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def pods(model_dir, tmp_path_factory):
     """{"operator": a pod that obeys regroup plans (token in a file), "pod": one that plans with TAIL_PROFILE
-    (token in PAT_JOB_TOKEN)}, started together; each must exit 0 on SIGTERM at the end."""
+    with the guard off (token in PAT_JOB_TOKEN), "guarded": the same with the guard on}, started
+    together; each must exit 0 on SIGTERM at the end."""
     tmp = tmp_path_factory.mktemp("pods")
     (tmp / "token").write_text(TOKEN + "\n")
     (tmp / "profile.json").write_text(json.dumps(TAIL_PROFILE))
     started = {
         "operator": Pod("operator", model_dir, tmp, "--controller", "operator", "--token-file", str(tmp / "token")),
-        "pod": Pod("pod", model_dir, tmp, "--controller", "pod", "--profile", str(tmp / "profile.json"),
-                   "--cooldown-steps", "2", env={"PAT_JOB_TOKEN": TOKEN}),
+        **{name: Pod(name, model_dir, tmp, "--controller", "pod", "--profile", str(tmp / "profile.json"),
+                     "--cooldown-steps", "2", *args, env={"PAT_JOB_TOKEN": TOKEN, "PAT_FAILPOINTS": SLOW_TP2})
+           for name, args in (("pod", ["--no-guard"]), ("guarded", []))},
     }
     try:
         for pod in started.values():
@@ -186,7 +191,7 @@ def pods(model_dir, tmp_path_factory):
         yield started
     finally:
         codes = {name: pod.stop() for name, pod in started.items()}
-    assert codes == {"operator": 0, "pod": 0}, codes
+    assert codes == {"operator": 0, "pod": 0, "guarded": 0}, codes
 
 
 @pytest.fixture(scope="session")
@@ -197,6 +202,11 @@ def operator_pod(pods) -> Pod:
 @pytest.fixture(scope="session")
 def planning_pod(pods) -> Pod:
     return pods["pod"]
+
+
+@pytest.fixture(scope="session")
+def guarded_pod(pods) -> Pod:
+    return pods["guarded"]
 
 
 @pytest.fixture(scope="session")

@@ -49,6 +49,49 @@ def test_pod_mode_refuses_plans(planning_pod):
     assert planning_pod.state()["epoch"] == before["epoch"]
 
 
+def _batches_logged(pod, tag: str, batches: int, requests) -> list[list[str]]:
+    """Runs `batches` batches one after the other; per batch, the regroup and guard lines of the pod's log."""
+    lines = []
+    for i in range(batches):
+        seen = len(pod.log.read_text().splitlines())
+        payloads = [{**r, "id": f"{r['id']}-{i}"} for r in requests]
+        pod.submit(f"{tag}-{i}", payloads)
+        completions = pod.finish(f"{tag}-{i}")
+        assert mismatched(completions, {f"{k}-{i}": v for k, v in requests.reference.items()}) == []
+        lines.append([line for line in pod.log.read_text().splitlines()[seen:]
+                      if "regroup (" in line or "guard:" in line])
+    return lines
+
+
+def test_guard_stops_merging_on_a_profile_that_lies(guarded_pod, reference):
+    """TAIL_PROFILE says TP2 is 10x faster for the last sequence; it is not. The first tail merges on its word,
+    the guard measures the merged steps, splits back in the same batch, and no later tail merges."""
+    requests = Batch(long_tailed(8, long=200, tag="guard"), reference)
+    per_batch = _batches_logged(guarded_pod, "guard", 3, requests)
+    first = per_batch[0]
+    merged = [i for i, line in enumerate(first) if "regroup (1, 1) -> (2,)" in line and "merge" in line]
+    assert merged, first
+    assert any("guard: 1+1->2 lost" in line for line in first[merged[0]:]), first
+    assert any("regroup (2,) -> (1, 1)" in line and "split back" in line for line in first[merged[0]:]), first
+    assert len(merged) == 1 and not [line for b in per_batch[1:] for line in b if "merge (1, 1)" in line], per_batch
+
+
+def test_guard_off_keeps_merging_on_a_profile_that_lies(planning_pod, reference):
+    """The negative control: the same profile and batches with the guard off merge in every tail."""
+    requests = Batch(long_tailed(8, long=200, tag="trusting"), reference)
+    per_batch = _batches_logged(planning_pod, "trusting", 3, requests)
+    assert all(any("merge (1, 1)->(2,)" in line for line in b) for b in per_batch), per_batch
+    assert not [line for b in per_batch for line in b if "guard:" in line], per_batch
+
+
+class Batch(list):
+    """Rollout payloads with what the single-process reference generates for them."""
+
+    def __init__(self, payloads, reference):
+        super().__init__(payloads)
+        self.reference = reference(payloads)
+
+
 def test_pod_mode_merges_in_the_tail(planning_pod, reference):
     """TAIL_PROFILE makes 2 x TP1 the better start for 8 sequences and TP2 10x faster for the last one."""
     pod = planning_pod

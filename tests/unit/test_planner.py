@@ -106,6 +106,18 @@ def test_profile_observe_moves_toward_observations_but_bounded():
     with pytest.raises(ValueError, match="seconds > 0"):
         p.observe(1, 8, 0.0)
 
+    ratio = 0.2 / p.step_seconds(1, 8)
+    p.observe(1, 8, 0.2, at_once=True)  # the guard's correction: the whole row, all the way, uncapped
+    assert p.step_seconds(1, 8) == pytest.approx(0.2) and p.step_seconds(1, 1) == pytest.approx(0.044 * 0.95 * ratio)
+
+
+def test_profile_corrected_at_once_predicts_the_step_exactly():
+    p = Profile({1: {1: 0.3}, 2: {1: 0.4, 4: 1.0, 8: 1.4}}, kv_seconds={2: 0.001}, decode_context=10)
+    # T2(2) = 0.6 from the table, + 0.1 s for 100 KV tokens beyond the measured context: the table's part is 1.4 s
+    p.observe(2, 2, 1.5, context=2 * 10 + 100, at_once=True)
+    assert p.step_seconds(2, 2, 2 * 10 + 100) == pytest.approx(1.5)
+    assert p.step_seconds(2, 8) == pytest.approx(1.4 * 1.4 / 0.6) and p.step_seconds(1, 1) == 0.3
+
 
 def test_profile_json_round_trip():
     p = Profile({2: {8: 0.04, 1: 0.025}, 1: {1: 0.04}}, kv_seconds={2: 1e-6}, decode_context=64)
@@ -306,3 +318,76 @@ def test_controller_is_due_when_a_request_finished_or_after_replan_steps():
     assert ctl.due(2)
     ctl.start_batch(2, [10], *args)
     assert ctl.due(2)  # a new batch: decide at its first step
+
+
+# -- the guard: each regroup judged by the steps it delivers ---------------------------------------------------
+
+def run_steps(ctl, profile, group, batch, seconds, n=Controller.GUARD_STEPS):
+    for _ in range(n):
+        ctl.observe(group, batch, seconds, None, profile)
+        ctl.step()
+
+
+def test_guard_splits_back_a_merge_that_lied_and_raises_the_margin():
+    # The profile says a TP2 step of 2 takes 0.6 s; it takes 1.5 s, slower than the 1.0 s TP1 steps it replaced.
+    profile = Profile(PROFILE)
+    ctl = Controller([1, 2], cooldown_steps=0)
+    args = (profile, LengthPredictor(4), COSTS)
+    run_steps(ctl, profile, (0,), 1, 1.0)
+    run_steps(ctl, profile, (1,), 1, 1.0)
+    assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
+    ctl.regrouped()
+    merged = {(0, 1): [(11, 1), (13, 3)]}
+    assert ctl.decide((2,), merged, *args).reason.startswith("on trial")
+    run_steps(ctl, profile, (0, 1), 2, 1.5)
+    assert ctl.verdicts[0].startswith("guard: 1+1->2 lost: a step of 2 takes 1500 ms") and len(ctl.verdicts) == 1
+    assert ctl.verdicts[0].endswith("staying 1000 ms")
+    assert profile.step_seconds(2, 2) == pytest.approx(1.5)  # corrected at once
+    assert profile.step_seconds(1, 1) == pytest.approx(1.0)  # measured as predicted: unchanged
+    assert ctl.due(2) and ctl.effective_margin == pytest.approx(0.1 + Controller.GUARD_RAISE)
+    back = ctl.decide((2,), merged, *args)
+    assert back.layout == (1, 1) and back.reason.startswith("split back (2,)->(1, 1): guard: 1+1->2 lost")
+    ctl.regrouped()
+    assert ctl.decide((1, 1), TAIL, *args).layout is None  # the corrected profile: no more merges
+    ctl.start_batch(2, [10], *args)
+    assert ctl.effective_margin == pytest.approx(0.1 + Controller.GUARD_RAISE)  # the next batch too ...
+    ctl.start_batch(2, [10], *args)
+    assert ctl.effective_margin == pytest.approx(0.1)  # ... not the one after
+
+
+def test_guard_off_trusts_the_profile_and_keeps_merging():
+    # The negative control: the same steps, the guard off.
+    profile = Profile(PROFILE)
+    ctl = Controller([1, 2], cooldown_steps=0, guard=False)
+    args = (profile, LengthPredictor(4), COSTS)
+    run_steps(ctl, profile, (0,), 1, 1.0)
+    assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
+    ctl.regrouped()
+    run_steps(ctl, profile, (0, 1), 2, 1.5)
+    assert ctl.verdicts == [] and not ctl.due(2) and profile.step_seconds(2, 2) == pytest.approx(0.6)
+    assert ctl.decide((1, 1), TAIL, *args).layout == (2,)  # the next tail merges again
+
+
+def test_guard_keeps_a_merge_that_delivers():
+    profile = Profile(PROFILE)
+    ctl = Controller([1, 2], cooldown_steps=0)
+    args = (profile, LengthPredictor(4), COSTS)
+    run_steps(ctl, profile, (0,), 1, 1.2)
+    assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
+    ctl.regrouped()
+    run_steps(ctl, profile, (0, 1), 2, 0.7)
+    assert ctl.verdicts[-1].startswith("guard: 1+1->2 held") and not ctl._lost
+    assert ctl.effective_margin == 0.1
+    assert profile.step_seconds(2, 2) == pytest.approx(0.7) and profile.step_seconds(1, 1) == pytest.approx(1.2)
+
+
+def test_guard_judges_a_layout_chosen_at_the_boundary_against_the_prediction():
+    # TP2 for 2 fresh requests is predicted at T2(2) = 0.6 s against T1(1) = 1.0 s per replica; it runs 1.1 s.
+    profile = Profile(PROFILE)
+    ctl = Controller([1, 2])
+    args = (profile, LengthPredictor(4), COSTS)
+    assert ctl.start_batch(2, [10, 10], *args).layout == (2,)
+    run_steps(ctl, profile, (0, 1), 2, 1.1)
+    assert ctl.verdicts[-1].startswith("guard: 1+1->2 lost: a step of 2 takes 1100 ms")
+    assert ctl.verdicts[-1].endswith("staying 1000 ms")  # predicted: no TP1 step ran in this batch
+    assert ctl.decide((2,), {(0, 1): [(11, 1)] * 2}, *args).layout == (1, 1)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .comm import CommunicatorPool
+from .faults import failpoint
 from .kv import KVFull, PagedKV
 from .model import Transformer
 from .sampling import SamplingBatch, SamplingParams, sample
@@ -194,6 +195,8 @@ class Engine:
         if batch:
             self._accept(decoding, *self._decode_step(decoding))
             finished += self._release()
+            if self.tp > 1:
+                failpoint("decode.tp", self.rank)  # tests: a slow link, which no start-up profile foresaw
         return StepStats(batch, prefill_tokens, fresh + batch, time.perf_counter() - start, finished,
                          self.preemptions - preemptions)
 

@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--margin", type=float, default=0.1, help="regroup when the predicted gain beats its cost by "
                     "this fraction of the time left")
     ap.add_argument("--cooldown-steps", type=int, default=4, help="decode steps after a regroup before the next")
+    ap.add_argument("--no-guard", dest="guard", action="store_false",
+                    help="trust the profile as given: no regroup judged by the steps it delivers, no refinement "
+                         "(to measure what the guard saves)")
     ap.add_argument("--migration", choices=("auto", "kv", "recompute"), default="auto")
     ap.add_argument("--max-batch", type=int, default=64, help="sequences per TP=1 replica")
     ap.add_argument("--max-seq", type=int, default=512, help="prompt + response tokens per sequence")
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                                     memory_utilization=args.memory_utilization, kv_cache_bytes=args.kv_cache_bytes)
             tp_sizes = tuple(int(t) for t in args.tp_sizes.split(",")) if args.tp_sizes else None
             pod = Coordinator(PodConfig(args.model, args.ranks, options, args.controller, args.margin,
-                                        args.cooldown_steps, args.profile, args.tokenizer, tp_sizes))
+                                        args.cooldown_steps, args.guard, args.profile, args.tokenizer, tp_sizes))
             app = make_app(pod, token)
     except (OSError, ValueError) as e:  # a bad model directory, option or profile file
         print(f"pat generator: {e}", file=sys.stderr)

@@ -53,6 +53,7 @@ class PodConfig:
     controller: Literal["pod", "operator"] = "pod"
     margin: float = 0.1
     cooldown_steps: int = 4
+    guard: bool = True  # judge each regroup by its steps (planner.Controller); off only to measure what it saves
     profile: str | None = None  # an offline T(tp, batch, context) profile (Profile.to_json); default: measured at start
     tokenizer_dir: str | None = None  # default: the model directory's tokenizer.json
     tp_sizes: tuple[int, ...] | None = None  # the TP sizes plans may use; default: all the model allows
@@ -224,17 +225,21 @@ class Coordinator:
             return
         allowed = self.config.tp_sizes or self.gen.tp_sizes
         self.controller = Controller([t for t in self.gen.tp_sizes if t in allowed], self.config.margin,
-                                     self.config.cooldown_steps)
+                                     self.config.cooldown_steps, self.config.guard)
 
     def _export_costs(self) -> None:
         self.gen.metrics.set_costs(self.profile.to_json(), self.costs.fixed_seconds, self.costs.kv_seconds_per_token,
                                    dict(self.costs.prefill))
 
     def _on_step(self, record: StepRecord) -> None:
-        tp = len(record.group)
-        if self.profile and record.batch and not record.prefill_tokens and tp in self.profile.tp_sizes:
-            # decode steps only: prefill is costed apart
-            self.profile.observe(tp, record.batch, record.seconds, record.context)
+        decode = record.batch and not record.prefill_tokens  # prefill is costed apart
+        if self.controller is not None and decode:
+            judged = len(self.controller.verdicts)
+            self.controller.observe(record.group, record.batch, record.seconds, record.context, self.profile)
+            for verdict in self.controller.verdicts[judged:]:
+                log.info("%s", verdict)
+        elif self.profile and decode and len(record.group) in self.profile.tp_sizes:
+            self.profile.observe(len(record.group), record.batch, record.seconds, record.context)
         if self.controller is None or not self._generating():
             return
         self.controller.step()

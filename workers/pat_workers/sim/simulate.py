@@ -51,6 +51,7 @@ class Scenario:
     prior: tuple[int, ...]  # lengths of earlier batches: what the planner's length predictor learns from
     margin: float = 0.1
     cooldown_steps: int = 4
+    guard: bool = True  # the pod's controller judges each regroup by its steps (planner.Controller)
     query_interval: float = 1.0
     cooldown_seconds: float = 2.0
     plan_seconds: float = 0.01  # one plan()'s duration on the pod's CPU: spaces the pod's plans (PLAN_SPACING)
@@ -93,6 +94,7 @@ class _Group:
     prefill: float = 0.0  # seconds its first step spends prefilling admitted requests
     alpha: float = 0.0  # its first decode step's seconds ...
     beta: float = 0.0  # ... each next one's more (the context grows)
+    seen: int = 0  # steps of this chunk the pod has observed
 
     @property
     def tp(self) -> int:
@@ -182,7 +184,8 @@ class Pod:
         self.steps_done = 0  # decode steps of all groups in finished chunks
         self.regroups: list[tuple[float, Layout, Layout, float]] = []
         self.finishes: list[tuple[float, int]] = []
-        self.observed: list[tuple[int, int, float, float]] = []  # per chunk: (tp, batch, mean step s, mean context)
+        # per chunk: (group, steps, batch, mean step s, mean context)
+        self.observed: list[tuple[Group, int, int, float, float]] = []
         for g in self.groups.values():
             self._admit_and_start(g, 0.0)
 
@@ -214,9 +217,8 @@ class Pod:
 
     def _advance(self, g: _Group, k: int) -> float:
         """Ends g's chunk after k steps (k <= end_steps); returns that boundary's time."""
-        if k:
-            self.observed.append((g.tp, len(g.running), g.alpha + g.beta * (k - 1) / 2,
-                                  g.context() + len(g.running) * (k - 1) / 2))
+        self._observe(g, k)
+        g.seen = 0
         t, done = g.progress(k)
         self.steps_done += k
         if done:
@@ -224,6 +226,19 @@ class Pod:
             self.finished_at = max(self.finished_at, t)
             self.finishes.append((t, done))
         return t
+
+    def observe_until(self, t: float) -> None:
+        """The steps every group has run by t, as the pod's step records report them."""
+        for g in self.groups.values():
+            self._observe(g, g.steps_by(t))
+
+    def _observe(self, g: _Group, k: int) -> None:
+        """Steps seen..k of g's chunk, as one observation of their mean."""
+        if k > g.seen:
+            middle = (g.seen + k - 1) / 2
+            self.observed.append((g.ranks, k - g.seen, len(g.running), g.alpha + g.beta * middle,
+                                  g.context() + len(g.running) * middle))
+            g.seen = k
 
     def group_end(self, g: _Group) -> float:
         """When g would be done if nothing changed (g itself is left as it is)."""
@@ -256,13 +271,21 @@ class Pod:
 
     # -- regroups ----------------------------------------------------------------------------------------
     def regroup(self, target: Sequence[int], t: float) -> float:
-        """Merges groups into the coarser layout `target` at their next step boundary after t; returns when the
-        last region is done."""
+        """Regroups into `target` at the groups' next step boundary after t: merges, or the guard's split back of
+        a merged group; returns when the last region is done."""
         target = tuple(target)
         old = self.layout
         done_at = t
         for new in groups(target):
-            if new not in self.groups:
+            if new in self.groups:
+                continue
+            whole = next((h for h in self.groups if set(new) < set(h)), None)
+            if whole is not None:
+                for part in self._split(self.groups.pop(whole), [p for p in groups(target) if set(p) <= set(whole)],
+                                        t):
+                    self.groups[part.ranks] = part
+                    done_at = max(done_at, part.start)
+            else:
                 parts = [self.groups.pop(h) for h in list(self.groups) if set(h) <= set(new)]
                 self.groups[new] = self._merged(new, parts, t, self._advance)
                 done_at = max(done_at, self.groups[new].start)
@@ -280,6 +303,20 @@ class Pod:
         cost = self.regroup_seconds(len(ranks), [context for context, _ in merged.requests() if context])
         self._admit_and_start(merged, barrier + cost)
         return merged
+
+    def _split(self, whole: _Group, parts: list[Group], t: float) -> list[_Group]:
+        """`whole`'s requests spread over the groups `parts` at its next step boundary after t, each part started
+        once it has taken in its share."""
+        barrier = self._advance(whole, min(whole.steps_by(t) + 1, whole.end_steps)) if whole.running else t
+        running, queued = planner.spread(whole.running, parts), planner.spread(list(whole.queue), parts)
+        out = []
+        for ranks in parts:
+            part = _Group(ranks, [], deque(queued[ranks]))
+            part.take(running[ranks], whole.steps)
+            cost = self.regroup_seconds(len(ranks), [context for context, _ in part.requests() if context])
+            self._admit_and_start(part, barrier + cost)
+            out.append(part)
+        return out
 
     def held_end(self, layout: Layout, t: float, ends: dict[Group, float]) -> float:
         """When the batch would end if the pod regrouped into `layout` at t and held it (ends: a cache of group
@@ -339,7 +376,7 @@ def pod_planner(scenario: Scenario, costs: StepCosts) -> Result:
     """The pod's controller: start_batch at the boundary, then at step boundaries when due() and spaced."""
     inputs = planner_inputs(scenario, costs)
     predictor = planner.LengthPredictor(scenario.max_tokens, prior=scenario.prior)
-    controller = planner.Controller(inputs.tp_sizes, scenario.margin, scenario.cooldown_steps)
+    controller = planner.Controller(inputs.tp_sizes, scenario.margin, scenario.cooldown_steps, scenario.guard)
     start = controller.start_batch(scenario.world, [scenario.prompt_tokens] * len(scenario.lengths), inputs.profile,
                                    predictor, inputs.costs).layout or uniform(scenario.world)
     pod = Pod(scenario, costs, start)
@@ -357,9 +394,10 @@ def pod_planner(scenario: Scenario, costs: StepCosts) -> Result:
             controller.step()
         counted = steps
         allowed = t_plan
+        pod.observe_until(t_plan)
+        _refine(controller, inputs.profile, pod)
         if not controller.due(pod.unfinished):
             continue
-        _refine(inputs.profile, pod)
         decision = controller.decide(pod.layout, pod.running_lengths(t_plan), inputs.profile, predictor, inputs.costs)
         plans += 1
         allowed = t_plan + PLAN_SPACING * scenario.plan_seconds
@@ -453,11 +491,12 @@ def _copy(pod: Pod) -> Pod:
     return twin
 
 
-def _refine(profile: planner.Profile, pod: Pod) -> None:
-    """The pod refines its profile from every decode step; the simulator from each chunk's mean step."""
-    for tp, batch, seconds, context in pod.observed:
-        if tp in profile.tp_sizes:
-            profile.observe(tp, batch, seconds, context)
+def _refine(controller: planner.Controller, profile: planner.Profile, pod: Pod) -> None:
+    """The pod's controller sees every decode step; the simulator's each chunk's mean step, counted as up to
+    GUARD_STEPS steps (enough to judge a regroup, no more: the refinement moves per observation)."""
+    for group, steps, batch, seconds, context in pod.observed:
+        for _ in range(min(steps, controller.GUARD_STEPS)):
+            controller.observe(group, batch, seconds, context, profile)
     pod.observed.clear()
 
 
