@@ -16,6 +16,7 @@ GENERATOR_STEP_SECONDS = "pat_generator_step_seconds"  # histogram, label tp
 GENERATOR_REGROUPS = "pat_generator_regroups"  # counter, label outcome: applied | fallback
 GENERATOR_REGROUP_REQUESTS = "pat_generator_regroup_requests"  # counter, label mode: kv | recompute
 GENERATOR_REGROUP_SECONDS = "pat_generator_regroup_seconds"  # histogram, label mode: kv | recompute | total
+GENERATOR_GUARD_VERDICTS = "pat_generator_guard_verdicts"  # counter, label verdict: held | lost (controller pod)
 GENERATOR_LAYOUT_EPOCH = "pat_generator_layout_epoch"
 
 REGROUP_MODES = ("kv", "recompute")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import cache
 from itertools import accumulate, product
 from operator import mul
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from .layout import Group, Layout, groups, uniform, validate
 
@@ -375,6 +375,11 @@ def plan(layout: Sequence[int], running: Mapping[Group, Sequence[Request]], prof
     return Decision(None, stay, best_seconds, cost, f"stay: the gain is under the {margin:.0%} margin ({change})")
 
 
+class Verdict(NamedTuple):
+    lost: bool  # no faster than the groups it replaced: split back
+    line: str  # what was measured and predicted, for the pod's log
+
+
 @dataclass
 class _Watch:
     """A regrouped group on trial: the groups it replaced, their last measured steps, and its own first ones."""
@@ -415,7 +420,7 @@ class Controller:
         self._trials: dict[Group, _Watch] = {}  # groups on trial (proposed, then applied)
         self._lost: dict[Group, list[Group]] = {}  # groups that lost their trial -> the groups to split them into
         self._raised_batches = 0  # batch starts left with the raised margin
-        self.verdicts: list[str] = []  # one line per judged group, for the pod's log
+        self.verdicts: list[Verdict] = []  # one per judged group, for the pod's log and metrics
 
     @property
     def effective_margin(self) -> float:
@@ -456,9 +461,9 @@ class Controller:
         # says: anchored at what they measured, shaped by the table.
         stay = max(profile.step_seconds(len(h), math.ceil(batch * len(h) / len(group))) for h in trial.members)
         lost = seconds >= stay
-        self.verdicts.append(f"guard: {'+'.join(map(str, map(len, trial.members)))}->{tp} "
+        self.verdicts.append(Verdict(lost, f"guard: {'+'.join(map(str, map(len, trial.members)))}->{tp} "
                              f"{'lost' if lost else 'held'}: a step of {batch:g} takes {1e3 * seconds:.4g} ms "
-                             f"(predicted {1e3 * predicted:.4g}), staying {1e3 * stay:.4g} ms")
+                             f"(predicted {1e3 * predicted:.4g}), staying {1e3 * stay:.4g} ms"))
         if lost:
             self._lost[group] = trial.members
             self._raised_batches = self.GUARD_BATCHES
@@ -478,7 +483,7 @@ class Controller:
             split = tuple(len(h) for g in groups(layout) for h in lost.get(g, [g]))
             self._in_flight = True
             return Decision(split, 0.0, 0.0, 0.0,
-                            f"split back {layout}->{split}: {'; '.join(self.verdicts[-len(lost):])}")
+                            f"split back {layout}->{split}: {'; '.join(v.line for v in self.verdicts[-len(lost):])}")
         if self._cooldown:
             return Decision(None, 0.0, 0.0, 0.0, f"cooldown: {self._cooldown} more decode step(s) after the "
                                                  f"last regroup")

@@ -74,6 +74,7 @@ def test_guard_stops_merging_on_a_profile_that_lies(guarded_pod, reference):
     assert any("guard: 1+1->2 lost" in line for line in first[merged[0]:]), first
     assert any("regroup (2,) -> (1, 1)" in line and "split back" in line for line in first[merged[0]:]), first
     assert len(merged) == 1 and not [line for b in per_batch[1:] for line in b if "merge (1, 1)" in line], per_batch
+    assert guarded_pod.metrics()[("pat_generator_guard_verdicts_total", (("verdict", "lost"),))] == 1
 
 
 def test_guard_off_keeps_merging_on_a_profile_that_lies(planning_pod, reference):

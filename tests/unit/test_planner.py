@@ -340,8 +340,9 @@ def test_guard_splits_back_a_merge_that_lied_and_raises_the_margin():
     merged = {(0, 1): [(11, 1), (13, 3)]}
     assert ctl.decide((2,), merged, *args).reason.startswith("on trial")
     run_steps(ctl, profile, (0, 1), 2, 1.5)
-    assert ctl.verdicts[0].startswith("guard: 1+1->2 lost: a step of 2 takes 1500 ms") and len(ctl.verdicts) == 1
-    assert ctl.verdicts[0].endswith("staying 1000 ms")
+    assert len(ctl.verdicts) == 1 and ctl.verdicts[0].lost
+    assert ctl.verdicts[0].line.startswith("guard: 1+1->2 lost: a step of 2 takes 1500 ms")
+    assert ctl.verdicts[0].line.endswith("staying 1000 ms")
     assert profile.step_seconds(2, 2) == pytest.approx(1.5)  # corrected at once
     assert profile.step_seconds(1, 1) == pytest.approx(1.0)  # measured as predicted: unchanged
     assert ctl.due(2) and ctl.effective_margin == pytest.approx(0.1 + Controller.GUARD_RAISE)
@@ -376,7 +377,7 @@ def test_guard_keeps_a_merge_that_delivers():
     assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
     ctl.regrouped()
     run_steps(ctl, profile, (0, 1), 2, 0.7)
-    assert ctl.verdicts[-1].startswith("guard: 1+1->2 held") and not ctl._lost
+    assert ctl.verdicts[-1].line.startswith("guard: 1+1->2 held") and not ctl.verdicts[-1].lost and not ctl._lost
     assert ctl.effective_margin == 0.1
     assert profile.step_seconds(2, 2) == pytest.approx(0.7) and profile.step_seconds(1, 1) == pytest.approx(1.2)
 
@@ -388,6 +389,6 @@ def test_guard_judges_a_layout_chosen_at_the_boundary_against_the_prediction():
     args = (profile, LengthPredictor(4), COSTS)
     assert ctl.start_batch(2, [10, 10], *args).layout == (2,)
     run_steps(ctl, profile, (0, 1), 2, 1.1)
-    assert ctl.verdicts[-1].startswith("guard: 1+1->2 lost: a step of 2 takes 1100 ms")
-    assert ctl.verdicts[-1].endswith("staying 1000 ms")  # predicted: no TP1 step ran in this batch
+    assert ctl.verdicts[-1].line.startswith("guard: 1+1->2 lost: a step of 2 takes 1100 ms")
+    assert ctl.verdicts[-1].line.endswith("staying 1000 ms")  # predicted: no TP1 step ran in this batch
     assert ctl.decide((2,), {(0, 1): [(11, 1)] * 2}, *args).layout == (1, 1)

@@ -36,6 +36,8 @@ class EngineMetrics:
                                       buckets=STEP_BUCKETS, registry=r)
         self.regroups = Counter(names.GENERATOR_REGROUPS, "Regroups by outcome (applied | fallback)", ["outcome"],
                                 registry=r)
+        self.guard_verdicts = Counter(names.GENERATOR_GUARD_VERDICTS, "Regroups the pod's guard judged by their "
+                                      "first decode steps: held, or lost (split back)", ["verdict"], registry=r)
         self.regroup_requests = Counter(names.GENERATOR_REGROUP_REQUESTS, "Requests carried through a regroup, by "
                                         "migration mode (kv | recompute)", ["mode"], registry=r)
         self.regroup_seconds = Histogram(names.GENERATOR_REGROUP_SECONDS, "Seconds a regroup spent moving KV, "

@@ -237,7 +237,8 @@ class Coordinator:
             judged = len(self.controller.verdicts)
             self.controller.observe(record.group, record.batch, record.seconds, record.context, self.profile)
             for verdict in self.controller.verdicts[judged:]:
-                log.info("%s", verdict)
+                log.info("%s", verdict.line)
+                self.gen.metrics.guard_verdicts.labels("lost" if verdict.lost else "held").inc()
         elif self.profile and decode and len(record.group) in self.profile.tp_sizes:
             self.profile.observe(len(record.group), record.batch, record.seconds, record.context)
         if self.controller is None or not self._generating():
