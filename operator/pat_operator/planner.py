@@ -282,7 +282,8 @@ def coarsenings(layout: Sequence[int], tp_sizes: Sequence[int]) -> list[Layout]:
 
 def plan(layout: Sequence[int], running: Mapping[Group, Sequence[Request]], profile: Profile,
          predictor: LengthPredictor, costs: RegroupCosts, tp_sizes: Sequence[int], margin: float = 0.1,
-         at_boundary: bool = False, segments: int = 256) -> Decision:
+         at_boundary: bool = False, segments: int = 256, split: Mapping[Group, Sequence[Group]] | None = None
+         ) -> Decision:
     """The layout to regroup into, if its predicted gain beats its cost by `margin` (a fraction of the time
     left); Decision.layout None to stay.
 
@@ -291,7 +292,10 @@ def plan(layout: Sequence[int], running: Mapping[Group, Sequence[Request]], prof
     During a batch the candidates are merges and each pays for resharding its requests. at_boundary: a new
     batch is about to be submitted, nothing is cached (generated 0); every valid layout is a candidate, the
     current one included, with all the requests spread over its groups as the pod submits them (whatever
-    group they are keyed by), and a change costs fixed_seconds only. The horizon of future decode steps is cut
+    group they are keyed by), and a change costs fixed_seconds only. split (the guard's question, during a batch):
+    the one candidate is the current layout with each group in `split` split back into the groups given for it,
+    its requests spread over them as the pod submits them, each paying for resharding. The horizon of future
+    decode steps is cut
     into at most `segments` segments, each costed at its mean expected batch and KV held (exact with one step
     each).
     """
@@ -340,6 +344,14 @@ def plan(layout: Sequence[int], running: Mapping[Group, Sequence[Request]], prof
         options = [layout] + [o for o in _layouts(sum(layout), allowed, keep=set()) if o != layout]
         loads = {o: {g: expected_running(load(requests)) for g, requests in spread(everyone, groups(o)).items()}
                  for o in options}
+    elif split:
+        # The guard's split back: the merged group's requests spread over the groups it replaced, each resharding.
+        apart = {h: r for g in current
+                 for h, r in (spread(placed[g], split[g]) if g in split else {g: placed[g]}).items()}
+        loads = {layout: {g: expected_running(load(placed[g])) for g in current},
+                 tuple(map(len, apart)): {h: expected_running(load(r)) for h, r in apart.items()}}
+        reshard = {h: costs.fixed_seconds + sum(costs.request_seconds(len(h), context) for context, _ in apart[h])
+                   for h in apart if h not in current}
     else:
         merges = coarsenings(layout, allowed)
         members = {g: [h for h in current if set(h) <= set(g)] for o in merges for g in groups(o)}
@@ -369,15 +381,16 @@ def plan(layout: Sequence[int], running: Mapping[Group, Sequence[Request]], prof
     best_seconds, cost = scored[best]
     change = f"{layout}->{best}: {stay:.3g} s -> {best_seconds:.3g} s + {cost:.3g} s regroup"
     if stay - (best_seconds + cost) > margin * stay:
-        return Decision(best, stay, best_seconds, cost, f"{'regroup' if at_boundary else 'merge'} {change}")
+        return Decision(best, stay, best_seconds, cost,
+                        f"{'regroup' if at_boundary else 'split back' if split else 'merge'} {change}")
     if stay - best_seconds > margin * stay:
         return Decision(None, stay, best_seconds, cost, f"stay: the regroup cost eats the gain ({change})")
     return Decision(None, stay, best_seconds, cost, f"stay: the gain is under the {margin:.0%} margin ({change})")
 
 
 class Verdict(NamedTuple):
-    lost: bool  # no faster than the groups it replaced: split back
-    line: str  # what was measured and predicted, for the pod's log
+    lost: bool  # by the corrected profile, splitting back beats keeping it: split back
+    line: str  # what was measured and predicted, and the split-back plan, for the pod's log
 
 
 @dataclass
@@ -396,11 +409,13 @@ class Controller:
     The guard (observe(), fed every decode step) judges each regroup by what it delivers. A group the planner
     formed (a merge, or a layout picked at a batch boundary) is on trial for its first GUARD_STEPS decode steps.
     Then the profile rows of its TP size, and of the groups it replaced where they ran GUARD_STEPS steps just
-    before, are corrected at once to those steps' medians. The group lost if its step is no faster than the groups
-    it replaced would take for the same requests by the corrected profile: it is split back into them at the next
-    decide() (the engine moves or recomputes the requests, losing none), and the margin goes up by GUARD_RAISE
-    for the rest of this batch and the next, so a wrong profile costs one regroup, not one per batch. Every step
-    also refines the profile slowly (Profile.observe). With guard=False the profile is trusted as it was given.
+    before, are corrected at once to those steps' medians, and the next decide() asks plan() again, over the same
+    horizon as the plan that formed it: the rest of the batch in this layout, or the group split back into the
+    groups it replaced (paying to reshard its requests). The group lost if splitting back wins by the margin: it
+    is split back (the engine moves or recomputes the requests, losing none), and the margin goes up by
+    GUARD_RAISE for the rest of this batch and the next, so a wrong profile costs one regroup, not one per batch.
+    Every step also refines the profile slowly (Profile.observe). With guard=False the profile is trusted as it
+    was given.
     """
 
     REPLAN_STEPS = 16  # decode steps (of any group) between decisions while no request finishes
@@ -418,7 +433,7 @@ class Controller:
         self._steps_since = 0  # decode steps since the last decide()
         self._recent: dict[Group, deque[tuple[float, float, float | None]]] = {}  # group -> last decode steps
         self._trials: dict[Group, _Watch] = {}  # groups on trial (proposed, then applied)
-        self._lost: dict[Group, list[Group]] = {}  # groups that lost their trial -> the groups to split them into
+        self._recheck: dict[Group, tuple[list[Group], str]] = {}  # judged groups -> (what they replaced, verdict)
         self._raised_batches = 0  # batch starts left with the raised margin
         self.verdicts: list[Verdict] = []  # one per judged group, for the pod's log and metrics
 
@@ -433,22 +448,22 @@ class Controller:
 
     def due(self, unfinished: int) -> bool:
         """Whether to decide() now: a request finished since the last decision, REPLAN_STEPS steps passed, or a
-        regroup lost its trial."""
-        return bool(self._lost) or unfinished != self._decided_for or self._steps_since >= self.REPLAN_STEPS
+        regroup's trial ended."""
+        return bool(self._recheck) or unfinished != self._decided_for or self._steps_since >= self.REPLAN_STEPS
 
     def observe(self, group: Group, batch: int, seconds: float, context: float | None, profile: Profile) -> None:
         """A decode step of `group` (no prefill in it): refines the profile, and judges a group on trial."""
         if not self.guard:
             return
         tp = len(group)
-        if tp in profile.tp_sizes:
-            profile.observe(tp, batch, seconds, context)
         recent = self._recent.setdefault(group, deque(maxlen=self.GUARD_STEPS))
         recent.append((batch, seconds, context))
         trial = self._trials.get(group)
-        if trial is None or self._in_flight or trial.steps is None:
+        if trial is None or trial.steps is None:
+            if tp in profile.tp_sizes:
+                profile.observe(tp, batch, seconds, context)
             return
-        trial.steps.append((batch, seconds, context))
+        trial.steps.append((batch, seconds, context))  # judged against the profile the plan was made on
         if len(trial.steps) < self.GUARD_STEPS:
             return
         del self._trials[group]
@@ -457,33 +472,30 @@ class Controller:
         for step in [(tp, batch, seconds, context)] + trial.measured:
             if step[0] in profile.tp_sizes:
                 profile.observe(*step, at_once=True)
-        # Staying would have run these `batch` requests spread over the members, each as the (corrected) profile
-        # says: anchored at what they measured, shaped by the table.
-        stay = max(profile.step_seconds(len(h), math.ceil(batch * len(h) / len(group))) for h in trial.members)
-        lost = seconds >= stay
-        self.verdicts.append(Verdict(lost, f"guard: {'+'.join(map(str, map(len, trial.members)))}->{tp} "
-                             f"{'lost' if lost else 'held'}: a step of {batch:g} takes {1e3 * seconds:.4g} ms "
-                             f"(predicted {1e3 * predicted:.4g}), staying {1e3 * stay:.4g} ms"))
-        if lost:
-            self._lost[group] = trial.members
-            self._raised_batches = self.GUARD_BATCHES
+        self._recheck[group] = (trial.members, f"guard: {'+'.join(map(str, map(len, trial.members)))}->{tp} "
+                                               f"{{}}: a step of {batch:g} takes {1e3 * seconds:.4g} ms (predicted "
+                                               f"{1e3 * predicted:.4g})")
 
     def decide(self, layout: Sequence[int], running: Mapping[Group, Sequence[Request]], profile: Profile,
                predictor: LengthPredictor, costs: RegroupCosts) -> Decision:
-        """plan() during a batch, unless a regroup is in flight, cooling down or on trial; or a split back of a
-        group that lost its trial. Call regrouped() once a proposed layout has been applied (or has failed)."""
+        """plan() during a batch, unless a regroup is in flight, cooling down or on trial; after a trial, whether
+        to split back. Call regrouped() once a proposed layout has been applied (or has failed)."""
         self._decided_for, self._steps_since = sum(map(len, running.values())), 0
         if self._in_flight:
             return Decision(None, 0.0, 0.0, 0.0, "in flight: the proposed regroup is not applied yet")
         # A trial ends without a verdict when its group is gone (a failed regroup) or has nothing left to run.
         self._trials = {g: t for g, t in self._trials.items() if running.get(g)}
-        lost = {g: members for g, members in self._lost.items() if g in groups(layout)}
-        self._lost = {}
-        if lost:
-            split = tuple(len(h) for g in groups(layout) for h in lost.get(g, [g]))
-            self._in_flight = True
-            return Decision(split, 0.0, 0.0, 0.0,
-                            f"split back {layout}->{split}: {'; '.join(v.line for v in self.verdicts[-len(lost):])}")
+        judged = {g: v for g, v in self._recheck.items() if running.get(g)}
+        self._recheck = {}
+        if judged:  # the corrected profile's answer: split back, or keep what was planned
+            split = plan(layout, running, profile, predictor, costs, self.tp_sizes, self.margin,
+                         split={g: members for g, (members, _) in judged.items()})
+            lost = split.layout is not None
+            self.verdicts += [Verdict(lost, f"{line.format('lost' if lost else 'held')}; {split.reason}")
+                              for _, line in judged.values()]
+            if lost:
+                self._in_flight, self._raised_batches = True, self.GUARD_BATCHES
+            return split  # one plan() per decide(): planning is CPU the ranks need
         if self._cooldown:
             return Decision(None, 0.0, 0.0, 0.0, f"cooldown: {self._cooldown} more decode step(s) after the "
                                                  f"last regroup")
@@ -508,7 +520,7 @@ class Controller:
         all TP=1), for prompts of these lengths spread over the groups as the pod submits them. Resets the
         cooldown; the caller applies the layout before submitting, no regrouped() needed."""
         self._in_flight, self._cooldown, self._decided_for = False, 0, None
-        self._trials, self._lost, self._recent = {}, {}, {}
+        self._trials, self._recheck, self._recent = {}, {}, {}
         self._raised_batches = max(self._raised_batches - 1, 0)
         layout = tuple(layout) if layout is not None else uniform(world)
         running = spread([(prompt, 0) for prompt in prompts], groups(layout))

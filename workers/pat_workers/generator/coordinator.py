@@ -234,11 +234,7 @@ class Coordinator:
     def _on_step(self, record: StepRecord) -> None:
         decode = record.batch and not record.prefill_tokens  # prefill is costed apart
         if self.controller is not None and decode:
-            judged = len(self.controller.verdicts)
             self.controller.observe(record.group, record.batch, record.seconds, record.context, self.profile)
-            for verdict in self.controller.verdicts[judged:]:
-                log.info("%s", verdict.line)
-                self.gen.metrics.guard_verdicts.labels("lost" if verdict.lost else "held").inc()
         elif self.profile and decode and len(record.group) in self.profile.tp_sizes:
             self.profile.observe(len(record.group), record.batch, record.seconds, record.context)
         if self.controller is None or not self._generating():
@@ -250,9 +246,13 @@ class Coordinator:
         if not self.controller.due(sum(self.gen.loads().values())) or time.perf_counter() < self._next_plan:
             return
         started = time.perf_counter()
+        judged = len(self.controller.verdicts)
         decision = self.controller.decide(self.gen.layout, self.gen.running_lengths(), self.profile,
                                           self._predictor, self.costs)
         self._next_plan = started + PLAN_SPACING * (time.perf_counter() - started)
+        for verdict in self.controller.verdicts[judged:]:
+            log.info("%s", verdict.line)
+            self.gen.metrics.guard_verdicts.labels("lost" if verdict.lost else "held").inc()
         if decision.layout is not None:
             self._apply(decision)
             self.controller.regrouped()
