@@ -12,7 +12,9 @@ import pytest
 from pat_operator import planner
 from pat_operator.fit import GPU, GPUS, SHAPES, ModelShape
 from pat_workers.cli import main as pat
+from pat_workers.sim import command
 from pat_workers.sim import simulate as sim
+from pat_workers.sim.report import compare, headline, summary
 from pat_workers.sim.hardware import Efficiency, EngineCosts, Measured, Roofline, SimError, hardware
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,6 +143,25 @@ def test_the_oracle_is_not_worse_than_the_planners_here():
         assert best <= min(sim.fixed(s, TAIL, tp).seconds for tp in (1, 2)) + 1e-9
 
 
+def test_the_summary_against_verls_default_layout():
+    s = scenario(BATCH)
+    results = compare(s, TAIL)
+    seconds = {r.policy: r.seconds for r in results}
+    out = summary(results, s, "planner (pod)", 1.0, {}, verl_tp=1)
+    assert out["verl_default"] == "fixed TP1"
+    assert out["iteration_reduction_vs_verl_default"] == pytest.approx(
+        1 - (seconds["planner (pod)"] + 1.0) / (seconds["fixed TP1"] + 1.0), abs=1e-4)
+    assert "vs verl's default (fixed TP1)" in headline(out)
+    # No such layout on this pod: the keys say so, and the headline leaves it out.
+    out = summary(results, s, "planner (pod)", 1.0, {}, verl_tp=4)
+    assert out["verl_default"] is None and out["generation_reduction_vs_verl_default"] is None
+    assert "verl" not in headline(out)
+
+
+REDUCTIONS = ("generation_reduction_vs_best_fixed", "iteration_reduction_vs_best_fixed",
+              "generation_reduction_vs_verl_default", "iteration_reduction_vs_verl_default", "planner_over_oracle")
+
+
 def run_pat(argv, capsys):
     code = pat(["simulate", *argv])
     out, err = capsys.readouterr()
@@ -154,12 +175,22 @@ def test_the_command_on_a_job_and_a_preset(tmp_path, capsys):
     assert result["simulated"] is True and result["planner"] == "planner (pod)" and result["world"] == 2
     assert set(result["policies"]) == {"fixed TP1", "fixed TP2", "planner (pod)", "planner (operator)", "oracle"}
     assert all(Path(p).is_file() for p in result["plots"])
+    assert result["verl_default"] == "fixed TP2" and isinstance(result["holdout_error"], float)  # the H200 GPU model
     code, out, _ = run_pat(["--preset", "paper-llama8b", "--cap", "2048", "--out", str(tmp_path / "p")], capsys)
     assert code == 0
     result = json.loads(out.strip().splitlines()[-1])
-    for key in ("generation_reduction", "iteration_reduction", "planner_over_oracle"):
-        assert isinstance(result[key], float), key
+    assert result["best_fixed"] in result["policies"] and result["verl_default"] == "fixed TP2"
+    assert 0 < result["holdout_error"] < 0.2 and result["hardware"].startswith("GPU model: H200")
+    # ... and the same batch on the engine's measured H200 step costs, beside
+    profile = result["engine_profile"]
+    assert profile["hardware"].startswith("measured: NVIDIA H200") and "holdout_error" not in profile
+    for costs in (result, profile):
+        for key in REDUCTIONS:
+            assert isinstance(costs[key], float), key
+        verl, planner = (costs["policies"][costs[k]]["generation_seconds"] for k in ("verl_default", "planner"))
+        assert costs["generation_reduction_vs_verl_default"] == pytest.approx(1 - planner / verl, abs=1e-4)
     assert result["responses"] == 1024 and result["response_cap"] == 2048 and "fixed TP8" in result["policies"]
+    assert "vs verl's default (fixed TP2)" in out
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -175,6 +206,14 @@ def test_bad_input_names_the_flag_and_the_fix(argv, message, capsys):
     assert code == 2 and message in err, err
 
 
+def test_no_guard_reaches_the_pods_controller():
+    for argv in (["--preset", "paper-llama8b"], [str(ROOT / "examples" / "local.yaml")]):
+        for flags, guard in (([], True), (["--no-guard"], False)):
+            args = command.parser().parse_args(argv + flags)
+            setup = (command._from_preset if args.preset else command._from_job)(args, Efficiency())
+            assert setup.scenario.guard is guard
+
+
 def test_the_command_takes_a_measured_profile(tmp_path, capsys):
     profile = {"link_bytes_per_s": 1e9, "link_latency_s": 0.0, "prefill": {t: list(ab) for t, ab in PREFILL.items()},
                "decode": {t: row for t, row in TAIL.costs.decode.items()}, "dtype": "float32", "source": "a test"}
@@ -182,7 +221,7 @@ def test_the_command_takes_a_measured_profile(tmp_path, capsys):
     code, out, _ = run_pat([str(ROOT / "examples" / "local.yaml"), "--hardware", str(tmp_path / "cpu.json"),
                             "--out", str(tmp_path)], capsys)
     result = json.loads(out.strip().splitlines()[-1])
-    assert code == 0 and result["hardware"].startswith("measured: a test")
+    assert code == 0 and result["hardware"].startswith("measured: a test") and result["holdout_error"] is None
     # In this profile a TP2 step of the whole batch (128) costs 3x a TP1 step of half of it: replicas win.
     times = {name: p["generation_seconds"] for name, p in result["policies"].items()}
     assert times["fixed TP1"] < times["fixed TP2"] and result["responses"] == 128
@@ -194,7 +233,7 @@ def test_bad_files_name_the_flag(tmp_path, capsys):
     assert code == 2 and "--lengths" in err and "JSON list of integers" in err
     (tmp_path / "gpu.json").write_text('{"name": "x"}')
     with pytest.raises(SimError, match="--hardware .*gpu.json"):
-        hardware(str(tmp_path / "gpu.json"), ModelShape("toy", 64, 128, 2, 4, 2, 16, 100))
+        hardware(str(tmp_path / "gpu.json"), ModelShape("toy", 64, 128, 2, 4, 2, 16, 100), Efficiency())
 
 
 def test_the_engines_costs_round_trip_through_json():
@@ -230,7 +269,7 @@ def test_the_h200_engine_profile_is_its_measured_shards_plus_modelled_all_reduce
     roofline = Roofline(GPUS["H200"], SHAPES["llama-3.1-8b"])
     assert module.engine_profile(shards, roofline) == json.loads((results / "h200-llama8b-engine.json").read_text()), \
         "bench/results/h200-llama8b-engine.json is stale: run python bench/shard_profile.py"
-    costs = hardware(str(results / "h200-llama8b-engine.json"), SHAPES["llama-3.1-8b"])
+    costs = hardware(str(results / "h200-llama8b-engine.json"), SHAPES["llama-3.1-8b"], Efficiency())
     step = lambda tp, batch, context: costs.decode(tp, batch)[0] + costs.decode(tp, batch)[1] * batch * context  # noqa: E731
     # Both measured contexts come back at the largest batch, the all-reduces of its tokens added; TP=1 has none.
     for tp, context in ((1, 512), (1, 2048), (8, 512), (8, 2048)):

@@ -1,6 +1,7 @@
 """`pat simulate JOB.yaml` or `pat simulate --preset NAME`: should adaptive TP be on for this job, and what does it
 buy? Simulates one rollout batch of one generator pod under every policy; prints a table, writes PNG plots into
---out and, last, one JSON object. Every figure is simulated.
+--out and, last, one JSON object. Every figure is simulated. A GPU's step costs come from the GPU model fitted to
+published measurements (docs/cost-model.md); paper-llama8b also runs on this engine's own H200 step costs.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from typing import Any
 from pat_operator.api import RLHFJob, load_job
 from pat_operator.fit import GPU_PRODUCT_LABEL, GPUS, SHAPES, ModelShape, read_shape, selected_gpu, tiny_shape
 
-from .hardware import Roofline, SimError, StepCosts, hardware
+from .calibration import fitted
+from .hardware import Efficiency, Roofline, SimError, StepCosts, hardware, read_hardware
 from .lengths import deepscaler_lengths, read_lengths
-from .report import Trainer, compare, plots, summary, table
+from .report import Trainer, compare, headline, plots, summary, table
 from .simulate import Scenario
+
+ROOT = Path(__file__).resolve().parents[3]  # the repository, where bench/results is (absent from an installed wheel)
+VERL_ROLLOUT_TP = 2  # verl's default rollout tensor_model_parallel_size (ppo_trainer.yaml)
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,8 @@ class Preset:
     scripts); the prompt length and max_batch are assumptions."""
     model: str
     cap: int
+    verl_tp: int  # verl's rollout TP for this model size in its examples (the paper's baseline, "original verl")
+    engine_profile: str | None = None  # this engine's measured step costs on the preset's GPU (bench/shard_profile.py)
     gpu: str = "H200"
     world: int = 8
     prompts: int = 128
@@ -46,9 +53,13 @@ class Setup:
     trainer_gpus: int
     planner: str  # the policy the reductions are of: the job's controller
     about: dict[str, Any]  # for the JSON: what was simulated
+    verl_tp: int | None  # the fixed layout verl's default is (None: not one of this pod's TP sizes)
+    engine_profile: StepCosts | None = None  # the same batch on this engine's measured step costs, beside
 
 
-PRESETS = {"paper-llama8b": Preset("llama-3.1-8b", 8192), "paper-qwen14b": Preset("qwen3-14b", 16384)}
+PRESETS = {"paper-llama8b": Preset("llama-3.1-8b", 8192, verl_tp=2,
+                                   engine_profile="bench/results/h200-llama8b-engine.json"),
+           "paper-qwen14b": Preset("qwen3-14b", 16384, verl_tp=4)}
 TRAINER_GPUS = 8  # a preset's trainer: one pod of 8 GPUs of the generator's type
 
 
@@ -58,9 +69,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("job", nargs="?", help="an RLHFJob YAML (its generator, algorithm and adaptiveTP settings)")
     ap.add_argument("--preset", help=f"instead of a job: one of {', '.join(PRESETS)}")
     ap.add_argument("--hardware", help=f"a GPU ({', '.join(GPUS)}; default: the job's {GPU_PRODUCT_LABEL} node "
-                                       f"selector, else H200) or a JSON profile: one the engine "
-                                       f"measured (Costs.to_json, e.g. bench/sim_vs_real.py --save-profile) or a GPU's "
-                                       f"numbers")
+                                       f"selector, else H200), costed by the fitted GPU model, or a JSON profile: one "
+                                       f"the engine measured (Costs.to_json, e.g. bench/sim_vs_real.py "
+                                       f"--save-profile) or a GPU's numbers")
     ap.add_argument("--model", help=f"a built-in model shape ({', '.join(SHAPES)}) instead of the job's model")
     ap.add_argument("--model-config", type=Path, help="a Hugging Face config.json for the model's shape")
     ap.add_argument("--lengths", type=Path, help="response lengths: a JSON list, or a `pat run` folder (its "
@@ -70,6 +81,9 @@ def parser() -> argparse.ArgumentParser:
                                                       "leaves)")
     ap.add_argument("--seed", type=int, default=0, help="of the drawn lengths (the planner learns from seed + 1)")
     ap.add_argument("--trainer-mfu", type=float, default=0.4, help="assumed MFU of the trainer (default 0.4)")
+    ap.add_argument("--no-guard", action="store_true", help="the pod's controller without its guard, which judges "
+                                                            "each regroup by its first steps (as the generator's "
+                                                            "--no-guard)")
     ap.add_argument("--plan-seconds", type=float, default=0.01,
                     help="a pod's plan() duration, which spaces its plans (default 0.01 s)")
     ap.add_argument("--out", type=Path, help="folder for the plots (default runs/simulate-<time>)")
@@ -86,8 +100,9 @@ def main(argv: list[str]) -> int:
     if not 0 < args.trainer_mfu <= 1 or args.plan_seconds < 0:
         raise SimError(f"--trainer-mfu={args.trainer_mfu} (use a fraction in (0, 1]) or --plan-seconds="
                        f"{args.plan_seconds} (use >= 0) is out of range")
-    setup = _from_preset(args) if args.preset is not None else _from_job(args)
-    scenario, shape, costs, controller = setup.scenario, setup.shape, setup.costs, setup.planner
+    calibration = fitted()
+    setup = (_from_preset if args.preset is not None else _from_job)(args, calibration.gpu_model)
+    scenario, shape, costs = setup.scenario, setup.shape, setup.costs
     trainer_gpu = costs.gpu if isinstance(costs, Roofline) else GPUS["H200"]
     trainer = Trainer(trainer_gpu, setup.trainer_gpus, args.trainer_mfu)
     tokens = sum(scenario.lengths) + scenario.prompt_tokens * len(scenario.lengths)
@@ -99,40 +114,57 @@ def main(argv: list[str]) -> int:
           f"{sum(lengths) / len(lengths):.0f} / max {max(lengths)} (cap {scenario.max_tokens}), prompts "
           f"{scenario.prompt_tokens} tokens; KV capacity per TP=1 group {costs.kv_capacity(1):.0f} tokens")
     print(f"training: {train_seconds:.2f} s, {trainer.describe()}\n", flush=True)
-    started = time.perf_counter()
-    results = compare(scenario, costs)
-    print(table(results, train_seconds))
     out = args.out or Path("runs") / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
-    about = setup.about | {"hardware": costs.description, "model": shape.name, "trainer": trainer.describe(),
-                           "simulation_seconds": round(time.perf_counter() - started, 2)}
-    result = summary(results, scenario, controller, train_seconds, about)
-    result["plots"] = plots(results, len(scenario.lengths), train_seconds, out)
+    gpu_modelled = isinstance(costs, Roofline) and costs.efficiency == calibration.gpu_model
+    about = setup.about | {"model": shape.name, "trainer": trainer.describe(),
+                           # of the GPU model's fit (docs/cost-model.md); none for a measured profile
+                           "holdout_error": round(calibration.holdout_error, 4) if gpu_modelled else None}
+    result = _compare(setup, costs, train_seconds, about, out)
+    if setup.engine_profile is not None:
+        print(f"\nthe same batch on this engine's measured step costs: {setup.engine_profile.description}")
+        result["engine_profile"] = _compare(setup, setup.engine_profile, train_seconds, {}, out / "engine-profile")
     (out / "summary.json").write_text(json.dumps(result, indent=2))
-    print(f"\nsimulated, not measured: the planner ({controller}) vs the best fixed layout ({result['best_fixed']}): "
-          f"generation {result['generation_reduction']:+.1%}, iteration {result['iteration_reduction']:+.1%}; "
-          f"planner / oracle {result['planner_over_oracle']:.3f}; plots in {out}")
+    print(f"\nplots and summary.json in {out}")
     print(json.dumps(result))
     return 0
 
 
-def _from_preset(args: argparse.Namespace) -> Setup:
+def _compare(setup: Setup, costs: StepCosts, train_seconds: float, about: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Every policy on `costs`: prints the table and the headline, writes the plots into `out`; the summary."""
+    started = time.perf_counter()
+    results = compare(setup.scenario, costs)
+    print(table(results, train_seconds))
+    about = about | {"hardware": costs.description, "simulation_seconds": round(time.perf_counter() - started, 2)}
+    result = summary(results, setup.scenario, setup.planner, train_seconds, about, setup.verl_tp)
+    out.mkdir(parents=True, exist_ok=True)
+    result["plots"] = plots(results, len(setup.scenario.lengths), train_seconds, out)
+    print(f"simulated, not measured: {headline(result)}")
+    return result
+
+
+def _from_preset(args: argparse.Namespace, gpu_model: Efficiency) -> Setup:
     preset = PRESETS.get(args.preset)
     if preset is None:
         raise SimError(f"--preset {args.preset!r} is unknown; known: {', '.join(PRESETS)}")
-    shape = _shape(args) or SHAPES[preset.model]
-    costs = hardware(args.hardware or preset.gpu, shape)
+    given_shape = _shape(args)
+    shape = given_shape or SHAPES[preset.model]
+    costs = hardware(args.hardware or preset.gpu, shape, gpu_model)
+    # Measured for the preset's model on its GPU: beside the GPU model unless either is changed
+    profile = ROOT / preset.engine_profile if preset.engine_profile else None
+    engine_profile = (read_hardware(profile, shape, gpu_model) if profile and profile.is_file()
+                      and args.hardware is None and given_shape is None else None)
     cap = args.cap or preset.cap
     n = preset.prompts * preset.samples
     lengths, prior = _lengths(args, n, cap)
     scenario = Scenario(lengths, args.prompt_tokens or preset.prompt_tokens, cap, preset.world, preset.max_batch,
-                        tuple(shape.tp_sizes(preset.world)), prior, plan_seconds=args.plan_seconds)
+                        tuple(shape.tp_sizes(preset.world)), prior, guard=not args.no_guard,
+                        plan_seconds=args.plan_seconds)
     about = {"preset": args.preset, "rollout_batch": f"{preset.prompts} prompts x {preset.samples} samples",
              "generator_pods": 1}
-    return Setup(scenario, shape, costs, TRAINER_GPUS, "planner (pod)", about)
+    return Setup(scenario, shape, costs, TRAINER_GPUS, "planner (pod)", about, preset.verl_tp, engine_profile)
 
 
-def _from_job(args: argparse.Namespace) -> Setup:
+def _from_job(args: argparse.Namespace, gpu_model: Efficiency) -> Setup:
     job: RLHFJob = load_job(args.job)
     spec, gen, alg = job.spec, job.spec.generator, job.spec.algorithm
     shape = _shape(args)
@@ -141,7 +173,7 @@ def _from_job(args: argparse.Namespace) -> Setup:
     elif shape is None:
         raise SimError(f"model.path={spec.model.path!r} is not read by the simulator; pass --model-config "
                        f"{spec.model.path}/config.json, or --model with one of {', '.join(SHAPES)}")
-    costs = hardware(args.hardware or _gpu_of(gen.node_selector), shape)
+    costs = hardware(args.hardware or _gpu_of(gen.node_selector), shape, gpu_model)
     cap = args.cap or alg.max_response_tokens
     prompt_tokens = args.prompt_tokens or min(256, gen.max_seq - alg.max_response_tokens)
     # The trainer sends all G samples of a prompt to one pod, prompts round-robin: the first pod gets the most.
@@ -150,14 +182,15 @@ def _from_job(args: argparse.Namespace) -> Setup:
     adaptive = gen.adaptive_tp
     lengths, prior = _lengths(args, n, cap)
     scenario = Scenario(lengths, prompt_tokens, cap, gen.ranks, gen.max_batch, tuple(tp_sizes), prior,
-                        margin=adaptive.min_gain,
+                        margin=adaptive.min_gain, guard=not args.no_guard,
                         cooldown_steps=adaptive.cooldown_steps, query_interval=adaptive.prometheus.query_interval,
                         cooldown_seconds=adaptive.cooldown_seconds, plan_seconds=args.plan_seconds)
     about = {"job": job.metadata.name, "rollout_batch": f"{n // alg.samples_per_prompt} prompts x "
              f"{alg.samples_per_prompt} samples per pod", "generator_pods": gen.replicas,
              "adaptive_tp_enabled": gen.adaptive}
     trainer_gpus = max(spec.trainer.replicas * spec.trainer.gpus_per_pod, 1)
-    return Setup(scenario, shape, costs, trainer_gpus, f"planner ({adaptive.controller})", about)
+    verl_tp = VERL_ROLLOUT_TP if VERL_ROLLOUT_TP in tp_sizes else None
+    return Setup(scenario, shape, costs, trainer_gpus, f"planner ({adaptive.controller})", about, verl_tp)
 
 
 def _gpu_of(node_selector: dict[str, str]) -> str:

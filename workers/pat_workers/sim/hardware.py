@@ -1,8 +1,10 @@
 """What a generator pod's steps cost, for the simulator: one interface (StepCosts), two sources of it.
 
-- Roofline: a GPU's datasheet numbers and a model's shape. A decode step of a TP group reads its weight shard
-  and the KV cache of its batch from HBM (or computes, whichever is slower), and all-reduces twice per layer
-  over NVLink; prefill is the same with more tokens.
+- Roofline: a GPU's datasheet numbers, a model's shape and an Efficiency. A decode step of a TP group reads its
+  weight shard and the KV cache of its batch from HBM (or computes, whichever is slower), spends a fixed time per
+  layer and step, and all-reduces twice per layer over NVLink; prefill is the same with more tokens. The default
+  Efficiency is assumed (the plain datasheet roofline); calibration.fitted() fits one to published measurements
+  (docs/cost-model.md), which is what `pat simulate` uses for a GPU.
 - Measured: the engine's own profiling pass (pat_workers.engine.costs.Costs, saved by Costs.to_json), e.g. of
   this machine's CPU: decode steps through planner.Profile (the table over batch sizes and the KV term), prefill
   a + b * tokens.
@@ -33,13 +35,34 @@ class SimError(ValueError):
 
 
 @dataclass(frozen=True)
+class AllReduce:
+    """One all-reduce of `nbytes` in a TP group of t GPUs: a latency growing by one step per doubling of t, and the
+    ring's 2 (t - 1) / t of the bytes at a bus bandwidth, a fraction of the GPU's link bandwidth."""
+    latency_s: float  # at log2(t) = 0
+    latency_per_doubling_s: float
+    link_fraction: float  # bus bandwidth / GPU.link_bytes_per_s
+
+    def seconds(self, tp: int, nbytes: float, link_bytes_per_s: float) -> float:
+        if tp == 1:
+            return 0.0
+        return (self.latency_s + self.latency_per_doubling_s * math.log2(tp)
+                + 2 * (tp - 1) / tp * nbytes / (self.link_fraction * link_bytes_per_s))
+
+
+@dataclass(frozen=True)
 class Efficiency:
-    """Assumptions, not measurements: the fractions of the datasheet peaks that serving kernels reach."""
+    """What kernels reach of the datasheet peaks, and the times a datasheet does not give. The defaults are
+    assumptions (the plain roofline); calibration.fitted() returns one fitted to measurements."""
     memory: float = 0.8  # of HBM bandwidth (decode GEMV and attention kernels)
     compute: float = 0.6  # of dense BF16 FLOP/s (large GEMMs)
-    link: float = 0.8  # of NVLink bandwidth (ring all-reduce, KV moves)
-    step_overhead_s: float = 0.5e-3  # per step: scheduling, sampling, kernel launches
+    link: float = 0.8  # of NVLink bandwidth (KV moves; all-reduces too unless `allreduce` is given)
+    step_overhead_s: float = 0.5e-3  # per step: scheduling, sampling (the engine's CPU work between GPU steps)
     memory_reserve: float = 0.1  # of HBM kept from the KV cache: activations, CUDA graphs, fragmentation
+    # Per layer and step, whatever the shard and the batch: the kernels' fixed time (launch gaps, small elementwise
+    # kernels, a small shard's GEMM running below the bandwidth a large one reaches).
+    layer_floor_s: float = 0.0
+    allreduce: AllReduce | None = None  # None: GPU.link_latency_s, then the ring at `link` of NVLink
+    source: str = "assumed"
 
 
 @dataclass(frozen=True)
@@ -95,28 +118,35 @@ class Roofline:
     gpu: GPU
     shape: ModelShape
     efficiency: Efficiency = Efficiency()
+    weight_bytes: int = BF16  # per weight (1 for an FP8 checkpoint); activations and the KV cache stay 16-bit
     kv_bytes_per_token: int = field(init=False)
 
     def __post_init__(self):
         object.__setattr__(self, "kv_bytes_per_token", self.shape.kv_bytes_per_token())
         if self.kv_capacity(1) <= 0:
-            raise SimError(f"{self.shape.name} ({self.shape.params / 1e9:.1f}B parameters, bf16) leaves no room for a "
-                           f"KV cache on one {self.gpu.name}; use a GPU with more memory")
+            raise SimError(f"{self.shape.name} ({self.shape.params / 1e9:.1f}B parameters, {self.weight_bytes} bytes "
+                           f"each) leaves no room for a KV cache on one {self.gpu.name}; use a GPU with more memory")
 
     @property
     def description(self) -> str:
-        e = self.efficiency
-        return (f"roofline: {self.gpu.name} ({self.gpu.source}); assumed: {e.memory:.0%} of HBM bandwidth, "
-                f"{e.compute:.0%} of BF16 FLOP/s, {e.link:.0%} of NVLink, {self.gpu.link_latency_s * 1e6:g} us "
-                f"per all-reduce, {e.step_overhead_s * 1e3:g} ms per step, {e.memory_reserve:.0%} of HBM reserved")
+        e, ar = self.efficiency, self._allreduce()
+        return (f"GPU model: {self.gpu.name} ({self.gpu.source}); {e.source}: {e.memory:.1%} of HBM bandwidth, "
+                f"{e.compute:.0%} of BF16 FLOP/s, {e.layer_floor_s * 1e6:.1f} us per layer and step, "
+                f"{e.step_overhead_s * 1e3:g} ms per step, all-reduce {ar.seconds(2, 0, 1) * 1e6:.1f} us (TP2) to "
+                f"{ar.seconds(8, 0, 1) * 1e6:.1f} us (TP8) + bytes at {ar.link_fraction:.0%} of NVLink, "
+                f"{e.link:.0%} of NVLink for KV moves, {e.memory_reserve:.0%} of HBM reserved")
+
+    def _allreduce(self) -> AllReduce:
+        return self.efficiency.allreduce or AllReduce(self.gpu.link_latency_s, 0.0, self.efficiency.link)
 
     def allreduce_seconds(self, tp: int, tokens: int) -> float:
-        """Two per layer (attention and MLP outputs), each a ring: latency + 2 (t - 1) / t * bytes / bandwidth."""
-        if tp == 1:
-            return 0.0
+        """Two per layer (attention and MLP outputs) of the tokens' hidden states."""
         nbytes = tokens * self.shape.hidden * BF16
-        one = self.gpu.link_latency_s + 2 * (tp - 1) / tp * nbytes / (self.gpu.link_bytes_per_s * self.efficiency.link)
-        return 2 * self.shape.layers * one
+        return 2 * self.shape.layers * self._allreduce().seconds(tp, nbytes, self.gpu.link_bytes_per_s)
+
+    def _fixed_seconds(self) -> float:
+        """Of every step, whatever its TP size, batch and context."""
+        return self.efficiency.step_overhead_s + self.efficiency.layer_floor_s * self.shape.layers
 
     def _kv_bytes_per_rank(self, tp: int) -> int:
         """Per token: KV heads split across the group, replicated once tp exceeds them."""
@@ -130,11 +160,11 @@ class Roofline:
         return self.gpu.bf16_flops * self.efficiency.compute
 
     def _weights_or_compute(self, tp: int, flops: float) -> float:
-        return max(self.shape.matmul_params * BF16 / tp / self._bandwidth(), flops / tp / self._flops())
+        return max(self.shape.matmul_params * self.weight_bytes / tp / self._bandwidth(), flops / tp / self._flops())
 
     def decode(self, tp: int, batch: int) -> tuple[float, float]:
         s = self.shape
-        base = (self.efficiency.step_overhead_s + self.allreduce_seconds(tp, batch)
+        base = (self._fixed_seconds() + self.allreduce_seconds(tp, batch)
                 + self._weights_or_compute(tp, 2 * s.matmul_params * batch))
         # Attention reads each context token's KV once (and does 4 FLOPs per head dim per head per layer).
         per_context = max(self._kv_bytes_per_rank(tp) / self._bandwidth(),
@@ -145,14 +175,14 @@ class Roofline:
         s = self.shape
         tokens = sum(contexts)
         attention = 2 * s.layers * s.heads * s.head_dim * sum(n * n for n in contexts)  # causal: half of 4 n^2
-        return (self.efficiency.step_overhead_s + self.allreduce_seconds(tp, tokens)
+        return (self._fixed_seconds() + self.allreduce_seconds(tp, tokens)
                 + self._weights_or_compute(tp, 2 * s.matmul_params * tokens + attention))
 
     def migrate_seconds(self, nbytes: float) -> float:
         return self.gpu.link_latency_s + nbytes / (self.gpu.link_bytes_per_s * self.efficiency.link)
 
     def kv_capacity(self, tp: int) -> float:
-        free = self.gpu.memory_bytes * (1 - self.efficiency.memory_reserve) - self.shape.params * BF16 / tp
+        free = self.gpu.memory_bytes * (1 - self.efficiency.memory_reserve) - self.shape.params * self.weight_bytes / tp
         return max(free, 0.0) // self._kv_bytes_per_rank(tp)
 
     def engine_costs(self, tp_sizes: Sequence[int], batches: Sequence[int]) -> EngineCosts:
@@ -161,11 +191,11 @@ class Roofline:
             (l0, s0), (l1, s1) = ((n, self.prefill_seconds(tp, [n])) for n in PREFILL_LENGTHS)
             per_token = (s1 - s0) / (l1 - l0)
             prefill[tp] = (max(s0 - per_token * l0, 0.0), per_token)
-        decode = {tp: {b: _step(self.decode(tp, b), b * PROFILE_CONTEXT) for b in batches} for tp in tp_sizes}
+        decode = {tp: {b: step_seconds(self, tp, b, PROFILE_CONTEXT) for b in batches} for tp in tp_sizes}
         # Linear in the context: what the engine's two measured contexts find
         kv_seconds = {tp: self.decode(tp, max(batches))[1] for tp in tp_sizes}
         return EngineCosts(self.gpu.link_bytes_per_s * self.efficiency.link, self.gpu.link_latency_s, prefill, decode,
-                           kv_seconds, PROFILE_CONTEXT, f"roofline of {self.gpu.name}")
+                           kv_seconds, PROFILE_CONTEXT, f"GPU model of {self.gpu.name}")
 
 
 @dataclass(frozen=True)
@@ -202,14 +232,15 @@ class Measured:
         return self.costs  # measured already
 
 
-def _step(decode: tuple[float, float], context: float) -> float:
-    base, per_context = decode
-    return base + per_context * context
+def step_seconds(costs: StepCosts, tp: int, batch: int, context: float) -> float:
+    """One decode step of `batch` sequences holding `context` KV tokens each."""
+    base, per_context = costs.decode(tp, batch)
+    return base + per_context * batch * context
 
 
-def read_hardware(path: Path, shape: ModelShape) -> StepCosts:
+def read_hardware(path: Path, shape: ModelShape, gpu_model: Efficiency) -> StepCosts:
     """--hardware FILE.json: an engine cost profile (Costs.to_json: a measured CPU, say) or a GPU's numbers (the
-    fields of GPU, name and source included)."""
+    fields of GPU, name and source included), costed with `gpu_model`."""
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -219,16 +250,17 @@ def read_hardware(path: Path, shape: ModelShape) -> StepCosts:
         element_size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(d.get("dtype", "bfloat16"), 2)
         return Measured(EngineCosts.from_json(d, f"--hardware {path}"), shape.kv_bytes_per_token(element_size))
     try:
-        return Roofline(GPU(**d), shape)
+        return Roofline(GPU(**d), shape, gpu_model)
     except TypeError as e:
         raise SimError(f"--hardware {path}: {e}; a GPU profile has the fields {list(GPU.__annotations__)}, an engine "
                        f"profile link_bytes_per_s, link_latency_s, prefill and decode") from None
 
 
-def hardware(name_or_path: str, shape: ModelShape) -> StepCosts:
+def hardware(name_or_path: str, shape: ModelShape, gpu_model: Efficiency) -> StepCosts:
+    """--hardware: a built-in GPU or a JSON profile; a GPU is costed with `gpu_model` (calibration.fitted()'s)."""
     if name_or_path in GPUS:
-        return Roofline(GPUS[name_or_path], shape)
+        return Roofline(GPUS[name_or_path], shape, gpu_model)
     path = Path(name_or_path)
     if not path.suffix == ".json":
         raise SimError(f"--hardware {name_or_path!r}: not a built-in GPU ({', '.join(GPUS)}) nor a .json profile")
-    return read_hardware(path, shape)
+    return read_hardware(path, shape, gpu_model)

@@ -38,12 +38,17 @@ def compare(scenario: Scenario, costs: StepCosts) -> list[Result]:
 
 
 def summary(results: list[Result], scenario: Scenario, planner_policy: str, train_seconds: float,
-            about: dict[str, Any]) -> dict[str, Any]:
-    """The JSON object: per policy its times, and the planner (`planner_policy`) against the best fixed layout
-    and the oracle."""
+            about: dict[str, Any], verl_tp: int | None) -> dict[str, Any]:
+    """The JSON object: per policy its times, and the planner (`planner_policy`) against the best fixed layout,
+    verl's default rollout layout (fixed TP `verl_tp`; None: no such layout here) and the oracle."""
     by_name = {r.policy: r for r in results}
     best = min((r for r in results if r.policy.startswith("fixed")), key=lambda r: r.seconds)
+    verl = by_name.get(f"fixed TP{verl_tp}")
     ours, oracle = by_name[planner_policy], by_name["oracle"]
+
+    def reduction(base: Result | None, extra: float = 0.0) -> float | None:
+        return None if base is None else round(1 - (ours.seconds + extra) / (base.seconds + extra), 4)
+
     return {
         "simulated": True, **about,
         "responses": len(scenario.lengths), "world": scenario.world,
@@ -54,13 +59,27 @@ def summary(results: list[Result], scenario: Scenario, planner_policy: str, trai
                                 "regroups": [[describe(old), describe(new), round(at, 3), round(took, 4)]
                                              for at, old, new, took in r.regroups],
                                 "start_layout": describe(r.start_layout), "plans": r.plans} for r in results},
-        "best_fixed": best.policy, "planner": planner_policy,
-        "generation_reduction": round(1 - ours.seconds / best.seconds, 4),
-        "iteration_reduction": round(1 - (ours.seconds + train_seconds) / (best.seconds + train_seconds), 4),
+        "best_fixed": best.policy, "verl_default": verl.policy if verl else None, "planner": planner_policy,
+        "generation_reduction_vs_best_fixed": reduction(best),
+        "iteration_reduction_vs_best_fixed": reduction(best, train_seconds),
+        "generation_reduction_vs_verl_default": reduction(verl),
+        "iteration_reduction_vs_verl_default": reduction(verl, train_seconds),
         "planner_over_oracle": round(ours.seconds / oracle.seconds, 4),
-        "generation_reduction_vs": {r.policy: round(1 - ours.seconds / r.seconds, 4) for r in results
-                                    if r.policy.startswith("fixed")},
+        "generation_reduction_vs": {r.policy: reduction(r) for r in results if r.policy.startswith("fixed")},
     }
+
+
+def headline(result: dict[str, Any]) -> str:
+    """One line: the planner against the best fixed layout, verl's default and the oracle (a negative reduction:
+    the planner took longer)."""
+    line = (f"the planner ({result['planner']}) vs the best fixed layout ({result['best_fixed']}): reduces "
+            f"generation by {result['generation_reduction_vs_best_fixed']:+.1%}, iteration by "
+            f"{result['iteration_reduction_vs_best_fixed']:+.1%}")
+    if result["verl_default"] is not None:
+        line += (f"; vs verl's default ({result['verl_default']}): generation by "
+                 f"{result['generation_reduction_vs_verl_default']:+.1%}, iteration by "
+                 f"{result['iteration_reduction_vs_verl_default']:+.1%}")
+    return line + f"; planner / oracle {result['planner_over_oracle']:.3f}"
 
 
 def table(results: list[Result], train_seconds: float) -> str:
