@@ -49,7 +49,7 @@ class TinyModel(_Model):
     """A random-weight model built locally from a seed (no model hub is needed)."""
     family: Literal["llama", "qwen2", "qwen3"] = Field("llama", description="the architecture")
     preset: str = Field("demo", description="a preset of pat_workers.engine.tiny: test, demo, demo-vllm (heads "
-                        "vLLM's CPU kernels take), bench, llama-8b")
+                        "vLLM's CPU kernels take), demo-wide (memory-bound decode steps), bench, llama-8b")
     seed: int = Field(0, description="the random seed of the weights (every pod builds the same model)")
     tokenizer: Literal["dataset", "bytes"] = Field(
         "dataset", description="dataset: a BPE tokenizer trained on the dataset's text; bytes: byte-level")
@@ -78,6 +78,11 @@ class SyntheticDataset(_Model):
     size: int = Field(512, ge=1, description="problems in the dataset")
     seed: int = Field(0, description="the random seed of the problems")
     max_operand: int = Field(9, ge=1, description="operands are drawn from 0..maxOperand")
+    long_tail: float | None = Field(None, ge=0, le=1, description="set: every response is a drawn number of "
+                                    "tokens (EOS ignored): maxResponseTokens with probability longTail, else at "
+                                    "least 2 and more than x with probability 2 / x: most short, a few at the cap, "
+                                    "as in reasoning RL, which a tiny model does not produce by itself; unset: a "
+                                    "response ends at EOS")
 
 
 class Dataset(_Model):

@@ -225,14 +225,17 @@ CASES = [
          bad={"spec.generator.adaptiveTP.tpSizes": [1, 3]}, good={"spec.generator.adaptiveTP.tpSizes": [1, 2]},
          also={"spec.generator.ranksPerPod": DELETE, "spec.generator.gpusPerPod": 4}),
     Case("spec", "reward.overlongBuffer must be below algorithm.maxResponseTokens",
-         bad={"spec.reward.overlongBuffer": 64}, good={"spec.reward.overlongBuffer": 63}),
+         bad={"spec.reward.overlongBuffer": 64}, good={"spec.reward.overlongBuffer": 63},
+         also={"spec.algorithm.maxResponseTokens": 64}),
     Case("spec", "algorithm.maxResponseTokens leaves no room for the prompt",
-         bad={"spec.algorithm.maxResponseTokens": 128}, good={"spec.algorithm.maxResponseTokens": 127}),
+         bad={"spec.algorithm.maxResponseTokens": 128}, good={"spec.algorithm.maxResponseTokens": 127},
+         also={"spec.generator.maxSeq": 128}),
     Case("spec", "the responses per iteration",
          bad={"spec.algorithm.promptsPerIteration": 1}, good={"spec.algorithm.promptsPerIteration": 2},
          also={"spec.algorithm.samplesPerPrompt": 2, "spec.trainer": {"replicas": 2, "gpusPerPod": 0}}),
     Case("spec", "algorithm.maxTokensPerMicroBatch is below one whole sequence",
-         bad={"spec.algorithm.maxTokensPerMicroBatch": 127}, good={"spec.algorithm.maxTokensPerMicroBatch": 128}),
+         bad={"spec.algorithm.maxTokensPerMicroBatch": 127}, good={"spec.algorithm.maxTokensPerMicroBatch": 128},
+         also={"spec.generator.maxSeq": 128, "spec.algorithm.maxResponseTokens": 64}),
 ]
 
 

@@ -54,10 +54,9 @@ def test_the_example_learns(example_run):
     """The last quarter of iterations against the first, in standard errors of the per-iteration means (z > 3:
     a 0.1% one-sided chance as noise between iterations). The score (math reward alone: 0.1 for a well-formed
     wrong answer, 1 for a right one) must rise by 0.03, i.e. right answers replace wrong ones well beyond the
-    format credit; the shaped reward (with the overlong penalty) rises too, but only its sign is asserted: in
-    some runs responses grow toward the cap in the last iterations and the penalty pulls it back down (seen:
-    gains 0.047 and 0.11 at z 1.5, with the score at z 7.5). Seeds are fixed, but when adaptive TP regroups
-    depends on timing and a regroup changes float rounding, so runs differ a little."""
+    format credit; the reward is the score here (the example shapes no lengths: they are drawn), so only its sign
+    is asserted. Seeds are fixed, but when adaptive TP regroups depends on timing and a regroup changes float
+    rounding, so runs differ a little."""
     _, summary, _ = example_run
     score, reward = summary["learning_score"], summary["learning"]
     assert score["gain"] > 0.03 and score["z"] > 3, score
@@ -67,7 +66,12 @@ def test_the_example_learns(example_run):
 def test_the_example_reports_what_adaptive_tp_did(example_run):
     run_dir, summary, done = example_run
     assert done.stdout.strip().splitlines()[-1] == str(run_dir / "summary.json")
-    assert summary["iterations"] == 30 and [r["iteration"] for r in summary["per_iteration"]] == list(range(1, 31))
+    assert summary["iterations"] == 20 and [r["iteration"] for r in summary["per_iteration"]] == list(range(1, 21))
+    # The drawn lengths' long tail (dataset.synthetic.longTail): short responses, and most batches run to the cap.
+    cap = yaml.safe_load(EXAMPLE.read_text())["spec"]["algorithm"]["maxResponseTokens"]
+    rows = summary["per_iteration"]
+    assert sum(r["response_tokens_max"] == cap for r in rows) > len(rows) / 2, rows
+    assert max(r["response_tokens_mean"] for r in rows) < cap / 4, rows
     assert summary["restarts"] == []
     for png in summary["plots"]:
         assert Path(png).stat().st_size > 10_000
@@ -126,12 +130,12 @@ def test_killed_processes_resume_exactly(tmp_path):
 
 
 def test_adaptive_tp_on_and_off_greedy_give_identical_tokens(tmp_path):
-    # Greedy, the tiny policy never stops before the cap, so a batch has no tail to merge in (mid-batch merges
-    # with KV migration are covered by tests/engine and tests/generator). An offline profile in which TP=2 is
-    # faster at every batch size makes the pod regroup at the batch boundary, whatever this machine measures:
-    # the adaptive run then generates at TP=2 what the fixed run generates at TP=1.
+    # An offline profile in which TP=1 steps are far slower than TP=2 steps at every batch size makes the pod regroup
+    # at the batch boundary, and keep TP=2 when the guard corrects the TP=2 row to what this machine measures: the
+    # adaptive run then generates at TP=2 what the fixed run generates at TP=1 (mid-batch merges with KV migration
+    # are covered by tests/engine and tests/generator).
     profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps({"decode": {"1": {"1": 0.004, "64": 0.012}, "2": {"1": 0.002, "64": 0.006}}}))
+    profile.write_text(json.dumps({"decode": {"1": {"1": 0.1, "64": 0.3}, "2": {"1": 0.002, "64": 0.006}}}))
     job = write_job(tmp_path, "greedy", **{"algorithm.iterations": 2, "algorithm.temperature": 0,
                                            "algorithm.promptsPerIteration": 8,
                                            "generator.adaptiveTP.profile": str(profile),
@@ -142,7 +146,9 @@ def test_adaptive_tp_on_and_off_greedy_give_identical_tokens(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["regroups"] >= 1 and summary["per_iteration"][0]["layouts"] == [[2]], summary["per_iteration"]
     compared = summary["adaptive_vs_fixed"]
-    assert compared["responses_compared"] == 2 * 8 * 8 and compared["identical_tokens"], compared
+    samples = yaml.safe_load(job.read_text())["spec"]["algorithm"]["samplesPerPrompt"]
+    assert compared["responses_compared"] == 2 * 8 * samples and compared["identical_tokens"], compared
+    assert compared["like_for_like_iterations"] == [1, 2], compared
     assert compared["generate_seconds_fixed"] > 0 and compared["generate_seconds_adaptive"] > 0
 
 

@@ -49,6 +49,8 @@ def vllm_job(name: str, model: Path, vllm_python: str, prometheus_url: str) -> d
     doc = job_doc(name, backoffLimit=2)
     spec = doc["spec"]
     spec["model"] = {"path": "/models", "volume": {"hostPath": {"path": str(model)}}, "mountPath": "/models"}
+    del spec["dataset"]["synthetic"]["longTail"]  # responses run until EOS: batches long enough to see the queue
+    spec["reward"]["overlongBuffer"] = 16  # rewards that vary with length: advantages in every group move the weights
     spec["algorithm"].update(iterations=ITERATIONS, promptsPerIteration=8, samplesPerPrompt=4, maxResponseTokens=48,
                              learningRate=0.01)
     spec["generator"] = {

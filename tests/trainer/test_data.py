@@ -8,8 +8,8 @@ import pytest
 
 from pat_operator.api import Dataset, SyntheticDataset
 from pat_workers.engine.loader import load_tokenizer
-from pat_workers.trainer.data import (Problem, PromptSampler, load_problems, synthetic_arithmetic, train_tokenizer,
-                                      write_jsonl)
+from pat_workers.trainer.data import (LONG_TAIL_SAMPLES, SHORTEST, TO_THE_CAP, Problem, PromptSampler, load_problems,
+                                      synthetic_arithmetic, train_tokenizer, write_jsonl)
 
 DEEPSCALER_ROWS = [
     {"problem": "What is $\\frac{1}{2}+\\frac{1}{3}$?", "answer": "\\frac{5}{6}", "solution": "..."},
@@ -90,6 +90,23 @@ def test_synthetic_arithmetic_is_seed_determined():
         a, b = p.prompt.removesuffix("=").split("+")
         assert p.prompt.endswith("=") and 0 <= int(a) <= 9 and 0 <= int(b) <= 9 and p.answer == str(int(a) + int(b))
     assert len({p.prompt for p in problems}) > 25  # operands vary
+
+
+def test_synthetic_long_tail_draws_a_length_per_sample():
+    plain = synthetic_arithmetic(SyntheticDataset(size=400, seed=3))
+    spec = SyntheticDataset(size=400, seed=3, long_tail=0.05)
+    problems = synthetic_arithmetic(spec)
+    assert problems == synthetic_arithmetic(spec)  # the seed fixes the lengths too
+    assert [(p.prompt, p.answer) for p in problems] == [(p.prompt, p.answer) for p in plain]  # ... not the problems
+    assert all(p.lengths is None for p in plain)
+    lengths = [n for p in problems for n in p.lengths]
+    assert len(lengths) == 400 * LONG_TAIL_SAMPLES and min(lengths) > SHORTEST
+    at_cap = sum(n == TO_THE_CAP for n in lengths) / len(lengths)
+    short = [n for n in lengths if n != TO_THE_CAP]
+    assert 0.04 < at_cap < 0.06  # longTail: the share that runs to the cap
+    for x in (4, 16, 64):  # the others: longer than x with probability SHORTEST / x
+        assert sum(n > x for n in short) / len(short) == pytest.approx(SHORTEST / x, rel=0.1)
+    assert {n for p in synthetic_arithmetic(SyntheticDataset(size=50, long_tail=1)) for n in p.lengths} == {TO_THE_CAP}
 
 
 def test_synthetic_spec_and_jsonl_round_trip(tmp_path):

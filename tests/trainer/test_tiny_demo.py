@@ -1,4 +1,4 @@
-"""The demo preset starts near-uniform; make_tiny_model takes a trained tokenizer and keeps its special ids."""
+"""The demo presets start near-uniform; make_tiny_model takes a trained tokenizer and keeps its special ids."""
 
 import json
 import math
@@ -31,6 +31,13 @@ def test_demo_preset_starts_near_uniform(tmp_path):
     # Negative control: the test preset's peaked logits (gain 4) are far from uniform; the gain can be overridden.
     assert initial_entropy(make_tiny_model(tmp_path / "test", preset="test")) < 0.8 * uniform
     assert initial_entropy(make_tiny_model(tmp_path / "flat", preset="test", lm_head_gain=0.1)) > 0.99 * uniform
+
+
+def test_make_runs_preset_is_one_wide_layer_near_uniform(tmp_path):
+    wide = make_tiny_model(tmp_path / "wide", preset="demo-wide")
+    cfg = ModelConfig.from_dir(wide)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (1024, 1, 16, 4)
+    assert initial_entropy(wide) > 0.99 * math.log(cfg.vocab_size)
 
 
 def test_a_trained_tokenizer_sets_the_vocabulary_and_special_ids(tmp_path):

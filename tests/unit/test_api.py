@@ -42,7 +42,7 @@ def test_example_is_valid_and_camel_case_round_trips():
     (lambda s: s["dataset"].pop("synthetic"), "exactly one of dataset.path"),
     (lambda s: s["reward"].update(function="nomodule"), "module:function"),
     (lambda s: s["generator"].update(maxSeq=40), "raise maxSeq"),
-    (lambda s: s["reward"].update(overlongBuffer=64), "reward.overlongBuffer=64"),
+    (lambda s: s["reward"].update(overlongBuffer=192), "reward.overlongBuffer=192"),
     (lambda s: s["algorithm"].update(promptsPerIteration=1, samplesPerPrompt=2, miniBatches=2)
      or s["trainer"].update(replicas=2), "each of the 2 trainer ranks (trainer.replicas x ranks per pod)"),
     (lambda s: s["trainer"].update(gpusPerPod=2, ranksPerPod=1), "trainer.ranksPerPod=1 must equal gpusPerPod=2"),

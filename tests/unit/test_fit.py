@@ -201,14 +201,15 @@ def test_no_single_change_fits():
 
 
 def test_the_start_up_check_on_cpu():
-    """The trainer's check at start: MemAvailable over the host's ranks (here the tiny demo's 684 MiB per rank)."""
+    """The trainer's check at start: MemAvailable over the host's ranks (here the tiny demo's need per rank)."""
     s = parse_job(yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())).spec
     shape = fit.tiny_shape("demo")
     need = fit.trainer_memory(s, shape).total
     assert fit.check_free(s, shape, free_bytes=need / 0.9 + 1) is None
     message = fit.check_free(s, shape, free_bytes=need, device="cpu")
     assert message.startswith(f"spec.algorithm.maxTokensPerMicroBatch: a trainer rank of tiny llama demo needs "
-                              f"{fit.gib(need)} per rank with maxTokensPerMicroBatch=16384, more than the "
+                              f"{fit.gib(need)} per rank with maxTokensPerMicroBatch="
+                              f"{s.algorithm.max_tokens_per_micro_batch}, more than the "
                               f"{fit.gib(need * 0.9)} usable of the {fit.gib(need)} free on cpu (10% kept free)")
 
 
@@ -223,7 +224,7 @@ def test_pat_plan_and_validate_refuse_a_job_that_does_not_fit_and_accept_it_on_m
     doc = job("local.yaml")
     h100 = {fit.GPU_PRODUCT_LABEL: "NVIDIA-H100-80GB-HBM3"}
     doc["spec"]["model"] = {"tiny": {"preset": "llama-8b"}, "dtype": "bfloat16"}
-    doc["spec"]["generator"] = {"gpusPerPod": 2, "maxSeq": 128, "nodeSelector": h100}
+    doc["spec"]["generator"] = {"gpusPerPod": 2, "maxSeq": doc["spec"]["generator"]["maxSeq"], "nodeSelector": h100}
     for gpus, code in ((1, 2), (8, 0)):
         doc["spec"]["trainer"] = {"gpusPerPod": gpus, "nodeSelector": h100}
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))

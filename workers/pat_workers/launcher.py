@@ -219,9 +219,9 @@ def run(job: RLHFJob, run_dir: Path, baseline: bool = False, progress: bool = Tr
     """Runs the job (and, with `baseline`, the same job with adaptive TP off); returns summary.json."""
     main = LocalRun(job, run_dir, progress)
     outcome = main.run()
-    compared = None
-    if baseline:
-        compared = run_dir / "baseline"
-        print("baseline: the same job with adaptive TP off", file=sys.stderr, flush=True)
-        LocalRun(baseline_of(job, main.model), compared, progress).run()
-    return report.write(run_dir, job, outcome, compared)
+    if not baseline:
+        return report.write(run_dir, job, outcome)
+    compared = run_dir / "baseline"
+    print("baseline: the same job with adaptive TP off", file=sys.stderr, flush=True)
+    fixed = LocalRun(baseline_of(job, main.model), compared, progress).run()
+    return report.write(run_dir, job, outcome, compared, fixed)

@@ -1,13 +1,15 @@
 """What a run did: the per-iteration table, summary.json and PNG plots, from the run folder's records.
 
 Inputs: metrics.jsonl (one row per trainer iteration), timeline.jsonl (the pods' state polled by the launcher:
-layout and running requests over time), rollouts/iter-*.json (token ids per response).
+layout and running requests over time), rollouts/iter-*.json (token ids per response); with --baseline, the same
+of the job run again at fixed TP (baseline/), shown beside.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from pat_operator.api import RLHFJob
@@ -69,100 +71,212 @@ def compare(run_dir: Path, baseline_dir: Path) -> dict:
 
     Sampled runs agree token for token until a sampled token flips: TP=2 sums in another order, so its
     log-probabilities (which the trainer uses as the old policy's) differ in the last bits, and the weights
-    drift apart by as much; from then on the policies, and so the response lengths, differ. The like-for-like
-    ratio is over the iterations that generated identical tokens (all of them when greedy)."""
+    drift apart by as much; from then on the policies, and so the responses, differ. Generation time is compared
+    like for like over the iterations whose responses have the same lengths in both runs (the same prompts come
+    from the same sampler): the same decode steps at the same batch sizes. That is every iteration when the
+    lengths are drawn (dataset.synthetic.longTail) or greedy, and those before the first flip otherwise."""
     ours = {r["iteration"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
     theirs = {r["iteration"]: r for r in read_jsonl(baseline_dir / "metrics.jsonl")}
     responses = mismatched = 0
-    same: list[int] = []
+    same_work: list[int] = []
     for path in sorted((run_dir / "rollouts").glob("iter-*.json")):
         other = baseline_dir / "rollouts" / path.name
         if not other.exists():
             continue
-        theirs_by_id = {r["id"]: r["tokens"] for r in json.loads(other.read_text())}
-        differing = sum(theirs_by_id.get(r["id"]) != r["tokens"] for r in json.loads(path.read_text()))
-        responses += len(theirs_by_id)
-        mismatched += differing
-        if not differing:
-            same.append(int(path.stem.split("-")[1]))
+        mine = {r["id"]: r["tokens"] for r in json.loads(path.read_text())}
+        fixed = {r["id"]: r["tokens"] for r in json.loads(other.read_text())}
+        responses += len(fixed)
+        mismatched += sum(fixed.get(i) != tokens for i, tokens in mine.items())
+        if {i: len(t) for i, t in mine.items()} == {i: len(t) for i, t in fixed.items()}:
+            same_work.append(int(path.stem.split("-")[1]))
     gen = lambda rows, its: sum(rows[i]["seconds"]["generate"] for i in its if i in rows)  # noqa: E731
-    identical = [i for i in same if i in ours and i in theirs]
+    like = [i for i in same_work if i in ours and i in theirs]
     return {"generate_seconds_adaptive": gen(ours, ours), "generate_seconds_fixed": gen(theirs, theirs),
-            "identical_iterations": identical,
-            "generate_seconds_identical_adaptive": gen(ours, identical),
-            "generate_seconds_identical_fixed": gen(theirs, identical),
-            "generate_ratio_identical": gen(ours, identical) / gen(theirs, identical) if identical else None,
+            "like_for_like_iterations": like,
+            "generate_seconds_like_for_like_adaptive": gen(ours, like),
+            "generate_seconds_like_for_like_fixed": gen(theirs, like),
+            "generate_ratio_like_for_like": gen(ours, like) / gen(theirs, like) if like else None,
             "responses_compared": responses, "responses_differing": mismatched,
             "identical_tokens": responses > 0 and mismatched == 0}
 
 
-def table(rows: list[dict]) -> str:
-    head = f"{'iter':>4} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'regroups':>8} {'reward':>7} {'score':>6} " \
-           f"{'resp len':>8} {'tok/s':>7}"
+def table(rows: list[dict], fixed: Sequence[dict] = ()) -> str:
+    """One line per iteration; with the fixed-TP run's rows, its generation seconds beside this run's."""
+    fixed_generate = {r["iteration"]: r["seconds"]["generate"] for r in fixed}
+    head = f"{'iter':>4} {PHASES[0]:>9}" + (f" {'fixed TP1':>9}" if fixed else "") \
+        + "".join(f" {p:>9}" for p in PHASES[1:]) + f" {'regroups':>8} {'reward':>7} {'score':>6} " \
+        f"{'resp len':>8} {'tok/s':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['iteration']:>4} " + " ".join(f"{r['seconds'].get(p, 0.0):>9.2f}" for p in PHASES)
+        seconds = [r["seconds"].get(p, 0.0) for p in PHASES]
+        beside = [fixed_generate.get(r["iteration"], math.nan)] if fixed else []
+        lines.append(f"{r['iteration']:>4} " + " ".join(f"{v:>9.2f}" for v in seconds[:1] + beside + seconds[1:])
                      + f" {r.get('regroups', 0):>8} {r['reward_mean']:>7.3f} {r['score_mean']:>6.3f}"
                        f" {r['response_tokens_mean']:>8.1f}"
                        f" {r['tokens_per_second']:>7.0f}")
     return "\n".join(lines)
 
 
-def plots(run_dir: Path, rows: list[dict], timeline: list[dict]) -> list[str]:
+Trace = list[tuple[float, int, tuple[int, ...]]]  # (seconds since the batch's first poll, requests, layout)
+
+
+def batch_traces(timeline: list[dict]) -> dict[str, dict[int, Trace]]:
+    """Per rollout batch (its id, e.g. iter-3) and pod, what the launcher polled while the batch ran: the running
+    and waiting requests and the layout, from the batch's first poll to the poll that saw it done (0 requests
+    there). A batch that ran again after a restart keeps its last attempt's trace."""
+    traces: dict[str, dict[int, Trace]] = {}
+    started: dict[tuple[str, int], tuple[int, float]] = {}  # (batch, pod) -> its trace's (attempt, first poll)
+    for row in timeline:
+        batch, pod = row.get("batch_id"), row["pod"]
+        if batch is None:
+            continue
+        attempt, start = started.get((batch, pod), (None, 0.0))
+        if attempt != row["attempt"]:
+            if row["batch_done"]:  # the done polls of a batch seen running in another attempt, or not at all
+                continue
+            started[batch, pod] = attempt, start = row["attempt"], row["time"]
+            traces.setdefault(batch, {})[pod] = []
+        trace = traces[batch][pod]
+        if trace and trace[-1][1] == 0:  # done already: the polls until the next batch
+            continue
+        requests = 0 if row["batch_done"] else sum(g["running"] + g["waiting"] for g in row["groups"])
+        trace.append((row["time"] - start, requests, tuple(row["layout"])))
+    return traces
+
+
+def plots(run_dir: Path, rows: list[dict], timeline: list[dict], fixed_rows: Sequence[dict] = (),
+          fixed_timeline: Sequence[dict] = ()) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    if timeline:
-        t0 = timeline[0]["time"]
-        pods = sorted({r["pod"] for r in timeline})
-        fig, axes = plt.subplots(2, 1, figsize=(11, 5.5), sharex=True)
-        for pod in pods:
-            pts = [r for r in timeline if r["pod"] == pod]
-            t = [r["time"] - t0 for r in pts]
-            axes[0].step(t, [max(r["layout"]) for r in pts], where="post", label=f"pod {pod}: largest TP group")
-            axes[0].step(t, [len(r["layout"]) for r in pts], where="post", ls=":", label=f"pod {pod}: replica groups")
-            axes[1].step(t, [sum(g["running"] for g in r["groups"]) for r in pts], where="post", label=f"pod {pod}")
-        axes[0].set_ylabel("TP layout")
-        axes[0].legend(loc="upper right", fontsize=8)
-        axes[1].set_ylabel("running requests")
-        axes[1].set_xlabel("seconds since start")
-        fig.suptitle("Adaptive TP: layout and running requests over time")
-        written.append(save_figure(fig, run_dir / "timeline.png"))
+    traces = batch_traces(timeline)
+    if traces:
+        fig = timeline_figure(plt, traces, batch_traces(list(fixed_timeline)), rows, list(fixed_rows))
+        written.append(save_figure(fig, run_dir / "timeline.png", top=0.93))
     if rows:
-        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-        bottom = [0.0] * len(rows)
-        its = [r["iteration"] for r in rows]
-        for phase in PHASES:
-            vals = [r["seconds"].get(phase, 0.0) for r in rows]
-            ax.bar(its, vals, bottom=bottom, label=phase)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_xlabel("iteration")
-        ax.set_ylabel("seconds")
-        ax.set_title("iteration time by phase")
-        ax.legend(fontsize=8)
-        ax2.plot(its, [r["reward_mean"] for r in rows], marker="o")
-        ax2.set_xlabel("iteration")
-        ax2.set_ylabel("mean reward")
-        ax2.set_title("reward")
-        written.append(save_figure(fig, run_dir / "iterations.png"))
+        written.append(save_figure(iterations_figure(plt, rows, list(fixed_rows)), run_dir / "iterations.png"))
     return written
 
 
-def save_figure(fig, path: Path) -> str:
-    """Writes a matplotlib figure as a PNG (in this project's size) and frees it."""
+MAX_PANELS = 20  # batches the timeline draws, evenly spaced over the run
+
+
+def timeline_figure(plt, traces: dict[str, dict[int, Trace]], fixed: dict[str, dict[int, Trace]],
+                    rows: list[dict], fixed_rows: list[dict]):
+    """One panel per rollout batch: its requests over the batch on a log scale, so that the tail shows, colored by
+    the pod's layout, and the same batch of the fixed-TP run dashed beside it."""
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    batches = list(traces)
+    shown = [batches[round(i * (len(batches) - 1) / (MAX_PANELS - 1))] for i in range(MAX_PANELS)] \
+        if len(batches) > MAX_PANELS else batches
+    generate = {f"iter-{r['iteration']}": r["seconds"]["generate"] for r in rows}  # the trainer's batch ids
+    fixed_generate = {f"iter-{r['iteration']}": r["seconds"]["generate"] for r in fixed_rows}
+    layouts = sorted({point[2] for b in shown for t in traces[b].values() for point in t}, key=lambda lo: -len(lo))
+    colors = {layout: f"C{i}" for i, layout in enumerate(layouts)}
+    columns = min(5, len(shown))
+    grid_rows = -(-len(shown) // columns)
+    fig, axes = plt.subplots(grid_rows, columns, figsize=(2.6 * columns, 2.1 * grid_rows + 0.8), sharex=True,
+                             sharey=True, squeeze=False)
+    most = max(1, *(n for b in shown for t in traces[b].values() for _, n, _ in t))
+    ticks = [2 ** i for i in range(most.bit_length())]  # whole requests
+    for ax, batch in zip(axes.flat, shown):
+        for trace in fixed.get(batch, {}).values():
+            draw_trace(ax, trace, lambda _: dict(color="0.55", ls="--", lw=1))
+        for trace in traces[batch].values():
+            draw_trace(ax, trace, lambda layout: dict(color=colors[layout], lw=1.6))
+        title = batch if batch not in generate else f"{batch}: {generate[batch]:.2f} s" + (
+            f" (fixed {fixed_generate[batch]:.2f} s)" if batch in fixed_generate else "")
+        ax.set_title(title, fontsize=8)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(FixedLocator(ticks))
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.set_yticklabels([str(t) for t in ticks])
+        ax.set_ylim(0.8, most * 1.25)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(shown):]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("requests")
+    for ax in axes[-1]:
+        ax.set_xlabel("seconds into the batch")
+    handles = [Line2D([], [], color=colors[lo], lw=2, label=f"adaptive TP: {groups_label(lo)}") for lo in layouts]
+    if fixed:
+        handles.append(Line2D([], [], color="0.55", ls="--", label="fixed TP=1"))
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=9, frameon=False,
+               bbox_to_anchor=(0.5, 0.96))
+    fig.suptitle("Each rollout batch: requests running or waiting (log scale) and the pod's layout"
+                 + (f" ({len(shown)} of {len(batches)} batches)" if len(shown) < len(batches) else ""))
+    return fig
+
+
+def draw_trace(ax, trace: Trace, style) -> None:
+    """A batch's requests as steps, each segment styled by its layout (style(layout): plot keywords); it ends at
+    the poll that saw the batch done (0 requests: off a log scale)."""
+    for (t0, n0, layout), (t1, n1, _) in zip(trace, trace[1:]):
+        if n0:
+            ax.plot([t0, t1, t1], [n0, n0, n1 or n0], solid_capstyle="butt", **style(layout))
+
+
+def groups_label(layout: tuple[int, ...]) -> str:
+    """(2, 1, 1) -> '1 x TP=2 + 2 x TP=1'."""
+    return " + ".join(f"{layout.count(tp)} x TP={tp}" for tp in sorted(set(layout), reverse=True))
+
+
+def iterations_figure(plt, rows: list[dict], fixed_rows: list[dict]):
+    """Per iteration: seconds by phase; generation seconds against the fixed-TP run; reward and score."""
+    from matplotlib.ticker import MaxNLocator
+
+    its = [r["iteration"] for r in rows]
+    fig, (phases, generation, reward) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    bottom = [0.0] * len(rows)
+    for phase in PHASES:
+        vals = [r["seconds"].get(phase, 0.0) for r in rows]
+        phases.bar(its, vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    phases.set_ylabel("seconds")
+    phases.set_title("iteration time by phase", fontsize=10)
+    generation.plot(its, [r["seconds"]["generate"] for r in rows], marker="o", label="adaptive TP")
+    if fixed_rows:
+        generation.plot([r["iteration"] for r in fixed_rows], [r["seconds"]["generate"] for r in fixed_rows],
+                        marker="s", color="0.55", ls="--", label="fixed TP=1")
+    generation.set_ylabel("seconds")
+    generation.set_ylim(bottom=0)
+    generation.set_title("generation", fontsize=10)
+    reward.plot(its, [r["score_mean"] for r in rows], marker="o", label="score (reward function)")
+    if any(abs(r["reward_mean"] - r["score_mean"]) > 1e-6 for r in rows):  # float32 means: equal up to rounding
+        reward.plot(its, [r["reward_mean"] for r in rows], marker=".", label="reward (with length shaping)")
+    reward.set_ylabel("mean")
+    reward.set_xlabel("iteration")
+    reward.set_title("reward", fontsize=10)
+    reward.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in (phases, generation, reward):
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    return fig
+
+
+def save_figure(fig, path: Path, top: float = 1.0) -> str:
+    """Writes a matplotlib figure as a PNG (in this project's size) and frees it; `top`: the fraction of the height
+    left to the axes (above it: a figure legend)."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
 
 
-def write(run_dir: Path, job: RLHFJob, outcome: dict, baseline_dir: Path | None = None) -> Path:
+def write(run_dir: Path, job: RLHFJob, outcome: dict, baseline_dir: Path | None = None,
+          baseline_outcome: dict | None = None) -> Path:
+    """summary.json, the plots and the printed report of a run; with the baseline's folder (and its outcome), the
+    same job at fixed TP beside it."""
     rows = read_jsonl(run_dir / "metrics.jsonl")
     timeline = read_jsonl(run_dir / "timeline.jsonl")
+    fixed_rows = read_jsonl(baseline_dir / "metrics.jsonl") if baseline_dir is not None else []
+    fixed_timeline = read_jsonl(baseline_dir / "timeline.jsonl") if baseline_dir is not None else []
     summary = {
         "job": job.metadata.name,
         "run_dir": str(run_dir),
@@ -179,13 +293,14 @@ def write(run_dir: Path, job: RLHFJob, outcome: dict, baseline_dir: Path | None 
         "learning": learning(rows),
         "learning_score": learning(rows, "score_mean"),  # the reward function alone, without length shaping
         "per_iteration": rows,
-        "plots": plots(run_dir, rows, timeline),
+        "plots": plots(run_dir, rows, timeline, fixed_rows, fixed_timeline),
     }
     if baseline_dir is not None:
-        summary["adaptive_vs_fixed"] = compare(run_dir, baseline_dir)
+        summary["adaptive_vs_fixed"] = {**compare(run_dir, baseline_dir),
+                                        "wall_seconds_fixed": (baseline_outcome or {}).get("seconds")}
     path = run_dir / "summary.json"
     path.write_text(json.dumps(summary, indent=2))
-    print(table(rows))
+    print(table(rows, fixed_rows))
     for name, lr in (("reward", summary["learning"]), ("score (reward function alone)", summary["learning_score"])):
         if lr.get("iterations_compared"):
             print(f"{name}: first {lr['iterations_compared']} iterations {lr['first_reward_mean']:.3f} -> last "
@@ -193,15 +308,17 @@ def write(run_dir: Path, job: RLHFJob, outcome: dict, baseline_dir: Path | None 
     busy = {pod: {k: round(v, 2) for k, v in d["busy_seconds_by_layout"].items()}
             for pod, d in summary["layouts"].items()}
     print(f"adaptive TP: {summary['regroups']} regroups; seconds generating per layout: {busy}")
+    wall = f"wall {outcome['seconds']:.1f} s"
     if baseline_dir is not None:
         c = summary["adaptive_vs_fixed"]
         print(f"generation, adaptive vs fixed TP=1: {c['generate_seconds_adaptive']:.2f} s vs "
               f"{c['generate_seconds_fixed']:.2f} s in all; {c['responses_differing']} of "
               f"{c['responses_compared']} responses differ")
-        if c["identical_iterations"]:
-            print(f"  like for like (the {len(c['identical_iterations'])} iterations with identical tokens): "
-                  f"{c['generate_seconds_identical_adaptive']:.2f} s vs {c['generate_seconds_identical_fixed']:.2f} s"
-                  f" (ratio {c['generate_ratio_identical']:.3f})")
-    print(f"restarts: {len(outcome['restarts'])}; wall {outcome['seconds']:.1f} s; plots: "
-          f"{', '.join(summary['plots'])}")
+        if c["like_for_like_iterations"]:
+            print(f"  like for like (the {len(c['like_for_like_iterations'])} iterations whose responses have the "
+                  f"same lengths): {c['generate_seconds_like_for_like_adaptive']:.2f} s vs "
+                  f"{c['generate_seconds_like_for_like_fixed']:.2f} s (ratio {c['generate_ratio_like_for_like']:.3f})")
+        if c["wall_seconds_fixed"] is not None:
+            wall += f" (fixed TP=1: {c['wall_seconds_fixed']:.1f} s)"
+    print(f"restarts: {len(outcome['restarts'])}; {wall}; plots: {', '.join(summary['plots'])}")
     return path

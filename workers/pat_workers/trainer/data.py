@@ -4,6 +4,7 @@ tokenizer trained on the dataset's text."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -16,13 +17,18 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from ..engine.tiny import SPECIAL_TOKENS
 
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".parquet": "parquet"}
+# synthetic.longTail draws this many lengths per problem, one per sample; more samples per prompt reuse them.
+LONG_TAIL_SAMPLES = 64
+SHORTEST = 2  # tokens of a short drawn response: room for "#### 7"
+TO_THE_CAP = 1 << 31  # a drawn length beyond any maxResponseTokens: the trainer cuts it there
 
 
 @dataclass(frozen=True)
 class Problem:
     prompt: str
     answer: str
-    lengths: tuple[int, ...] | None = None  # dataset.lengthField: sample g generates exactly lengths[g % len]
+    # Sample g generates exactly lengths[g % len] tokens (dataset.lengthField, synthetic.longTail); None: to EOS
+    lengths: tuple[int, ...] | None = None
 
 
 def load_problems(spec: Dataset, base_dir: str | Path | None = None) -> list[Problem]:
@@ -105,13 +111,24 @@ def _problem(record: dict[str, Any], where: str, spec: Dataset) -> Problem:
 
 def synthetic_arithmetic(spec: SyntheticDataset) -> list[Problem]:
     """spec.size additions "a+b=" with answer "a+b" (prompt "3+4=", answer "7"); operands drawn uniformly from
-    0..spec.max_operand by random.Random(spec.seed), so the seed fixes the problems."""
+    0..spec.max_operand by random.Random(spec.seed), so the seed fixes the problems. With spec.long_tail, each
+    problem's response lengths too (long_tail_lengths), from a generator of their own: the problems stay those of
+    the seed."""
     rng = random.Random(spec.seed)
+    lengths = random.Random(f"{spec.seed}:lengths")  # str seeds hash stably across processes
     problems = []
     for _ in range(spec.size):
         a, b = rng.randint(0, spec.max_operand), rng.randint(0, spec.max_operand)
-        problems.append(Problem(f"{a}+{b}=", str(a + b)))
+        tail = None if spec.long_tail is None else long_tail_lengths(lengths, spec.long_tail, LONG_TAIL_SAMPLES)
+        problems.append(Problem(f"{a}+{b}=", str(a + b), tail))
     return problems
+
+
+def long_tail_lengths(rng: random.Random, share: float, n: int) -> tuple[int, ...]:
+    """n response lengths: TO_THE_CAP with probability `share`, else a Pareto draw, at least SHORTEST and longer
+    than x with probability SHORTEST / x."""
+    return tuple(TO_THE_CAP if rng.random() < share else math.ceil(SHORTEST / (1.0 - rng.random()))
+                 for _ in range(n))
 
 
 def write_jsonl(problems: Iterable[Problem], path: str | Path) -> Path:

@@ -1,0 +1,95 @@
+"""What `pat run` reports from a run folder: batch traces from the polled timeline, adaptive against fixed TP like
+for like, the table, and the plots."""
+
+import json
+
+import matplotlib
+import pytest
+
+from pat_workers import report
+
+matplotlib.use("Agg")
+
+
+def poll(time, batch, done, layout, *requests, attempt=0, pod=0):
+    groups = [{"ranks": [], "tp": tp, "running": n, "waiting": 0} for tp, n in zip(layout, requests)]
+    return {"time": time, "attempt": attempt, "pod": pod, "batch_id": batch, "batch_done": done,
+            "layout": list(layout), "groups": groups}
+
+
+def test_batch_traces_run_from_the_first_poll_to_the_done_one():
+    timeline = [
+        poll(9.0, None, True, (1, 1), 0, 0),
+        poll(10.0, "iter-1", False, (1, 1), 32, 32),
+        poll(10.1, "iter-1", False, (1, 1), 3, 1),
+        poll(10.2, "iter-1", False, (2,), 2),  # merged in the tail
+        poll(10.5, "iter-1", True, (2,), 0),
+        poll(10.6, "iter-1", True, (2,), 0),  # idle until the next batch: not part of it
+        poll(11.0, "iter-2", False, (1, 1), 10, 12),
+        # a restart: iter-2 runs again; the trace is the last attempt's
+        poll(20.0, "iter-2", True, (1, 1), 0, 0, attempt=1),  # done as seen by the new attempt: not a start
+        poll(21.0, "iter-2", False, (1, 1), 30, 30, attempt=1),
+        poll(21.4, "iter-2", True, (1, 1), 0, 0, attempt=1),
+    ]
+    traces = report.batch_traces(timeline)
+    assert list(traces) == ["iter-1", "iter-2"]
+    assert traces["iter-1"][0] == [(0.0, 64, (1, 1)), (pytest.approx(0.1), 4, (1, 1)), (pytest.approx(0.2), 2, (2,)),
+                                   (pytest.approx(0.5), 0, (2,))]
+    assert traces["iter-2"][0] == [(0.0, 60, (1, 1)), (pytest.approx(0.4), 0, (1, 1))]
+
+
+def write_run(path, generate, lengths):
+    """A run folder: metrics rows with generation seconds, and rollouts of responses with these lengths."""
+    (path / "rollouts").mkdir(parents=True)
+    rows = [{"iteration": i, "seconds": {"generate": s}} for i, s in enumerate(generate, 1)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for i, (token, per_response) in enumerate(lengths, 1):
+        rollouts = [{"id": f"0.{g}", "tokens": [token] * n} for g, n in enumerate(per_response)]
+        (path / "rollouts" / f"iter-{i:04d}.json").write_text(json.dumps(rollouts))
+
+
+def test_compare_is_like_for_like_over_the_iterations_of_the_same_lengths(tmp_path):
+    # Iteration 1: identical; 2: other tokens, same lengths (the same work); 3: other lengths.
+    write_run(tmp_path / "adaptive", [1.0, 2.0, 4.0], [(5, [3, 9]), (5, [3, 9]), (5, [3, 9])])
+    write_run(tmp_path / "fixed", [2.0, 3.0, 1.0], [(5, [3, 9]), (6, [3, 9]), (5, [3, 8])])
+    c = report.compare(tmp_path / "adaptive", tmp_path / "fixed")
+    assert c["like_for_like_iterations"] == [1, 2]
+    assert c["generate_seconds_like_for_like_adaptive"] == 3.0 and c["generate_seconds_like_for_like_fixed"] == 5.0
+    assert c["generate_ratio_like_for_like"] == pytest.approx(0.6)
+    assert (c["generate_seconds_adaptive"], c["generate_seconds_fixed"]) == (7.0, 6.0)
+    assert (c["responses_compared"], c["responses_differing"], c["identical_tokens"]) == (6, 3, False)
+
+
+ROWS = [{"iteration": i, "seconds": {"generate": 1.0 + i, "train": 2.0}, "regroups": 1, "reward_mean": 0.1 * i,
+         "score_mean": 0.1 * i, "response_tokens_mean": 12.0, "tokens_per_second": 100.0} for i in (1, 2)]
+
+
+def test_the_table_puts_the_fixed_runs_generation_beside():
+    fixed = [{**r, "seconds": {"generate": 5.0 + r["iteration"]}} for r in ROWS]
+    head, _, first, second = report.table(ROWS, fixed).splitlines()
+    assert head.split()[:3] == ["iter", "generate", "fixed"]
+    assert first.split()[:3] == ["1", "2.00", "6.00"] and second.split()[:3] == ["2", "3.00", "7.00"]
+    assert report.table(ROWS).splitlines()[0].split()[:3] == ["iter", "generate", "reward"]
+
+
+def test_groups_label_counts_groups_by_tp_size():
+    assert report.groups_label((1, 1)) == "2 x TP=1"
+    assert report.groups_label((2, 1, 1)) == "1 x TP=2 + 2 x TP=1"
+
+
+def test_the_plots_show_whole_requests_and_keep_legends_off_the_data(tmp_path):
+    timeline = [poll(10.0 + 0.1 * k, f"iter-{b}", n == 0, (1, 1) if n > 2 else (2,), *([n // 2, n - n // 2]
+                                                                                        if n > 2 else [n]))
+                for b in (1, 2) for k, n in enumerate((64, 9, 3, 1, 0))]
+    written = report.plots(tmp_path, ROWS, timeline, ROWS, timeline)
+    assert written == [str(tmp_path / "timeline.png"), str(tmp_path / "iterations.png")]
+    assert all((tmp_path / name).stat().st_size > 10_000 for name in ("timeline.png", "iterations.png"))
+    import matplotlib.pyplot as plt
+
+    fig = report.timeline_figure(plt, report.batch_traces(timeline), report.batch_traces(timeline), ROWS, ROWS)
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(panels) == 2 and all(ax.get_legend() is None for ax in panels) and len(fig.legends) == 1
+    assert [t.get_text() for t in panels[0].get_yticklabels()] == ["1", "2", "4", "8", "16", "32", "64"]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["adaptive TP: 2 x TP=1", "adaptive TP: 1 x TP=2",
+                                                                  "fixed TP=1"]
+    plt.close(fig)
