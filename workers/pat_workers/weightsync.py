@@ -169,14 +169,17 @@ class WeightReceiver(_Member):
         store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
         super().__init__(store, rank, world, backend, timeout)
 
-    def receive(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    def receive(self, weights: dict[str, torch.Tensor], version: int,
+                shapes: Mapping[str, Sequence[int]] | None = None) -> None:
         """Overwrites every tensor of `weights` in place with the sender's; `version` is what this pod was told to
-        expect. Raises WeightSyncError, weights unchanged, when any member refuses the round."""
+        expect. `shapes`: the tensors' shapes as sent, where they are held as views of another shape (the engine's
+        fused weights, Transformer.hf_shapes). Raises WeightSyncError, weights unchanged, when any member refuses
+        the round."""
         prefix = self._begin()
         dtypes = {str(t.dtype).removeprefix("torch.") for t in weights.values()}
         self.store.set(f"{prefix}dtype/{self.rank}", dtypes.pop() if len(dtypes) == 1 else "mixed")
         manifest = json.loads(self.store.get(f"{prefix}manifest"))
-        problem = self._check(manifest, weights, version)
+        problem = self._check(manifest, weights, version, shapes or {})
         if problem:
             self.store.set(f"{prefix}refused/{self.rank}", f"rank {self.rank}: {problem}")
         if self._refusals(problem is not None):
@@ -185,7 +188,7 @@ class WeightReceiver(_Member):
         with torch.no_grad():
             for bucket in buckets(entries, weights[entries[0][0]].element_size(), manifest["bucket_bytes"]):
                 names = [entries[i][0] for i in bucket]
-                if len(names) == 1:
+                if len(names) == 1 and weights[names[0]].is_contiguous():  # else through a buffer, as a bucket
                     self._broadcast(weights[names[0]])
                     continue
                 flat = torch.empty(sum(weights[n].numel() for n in names), dtype=weights[names[0]].dtype,
@@ -195,12 +198,13 @@ class WeightReceiver(_Member):
                     weights[name].copy_(part.view_as(weights[name]))
 
     @staticmethod
-    def _check(manifest: dict, weights: dict[str, torch.Tensor], version: int) -> str | None:
+    def _check(manifest: dict, weights: dict[str, torch.Tensor], version: int,
+               shapes: Mapping[str, Sequence[int]]) -> str | None:
         if manifest["version"] != version:
             return (f"the trainer sent version {manifest['version']}, this pod expects version {version} "
                     f"(POST /v1/weights announces the version the next send carries)")
         sent = {name: tuple(shape) for name, shape in manifest["tensors"]}
-        held = {name: tuple(t.shape) for name, t in weights.items()}
+        held = {name: tuple(shapes.get(name, t.shape)) for name, t in weights.items()}
         if sent.keys() != held.keys():
             return (f"the trainer's tensors differ from this replica's: missing {sorted(held.keys() - sent.keys())}, "
                     f"unexpected {sorted(sent.keys() - held.keys())}; both must be the same model")

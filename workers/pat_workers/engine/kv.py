@@ -27,7 +27,8 @@ class PagedKV:
         if num_blocks < 2:
             raise ValueError(f"a paged KV cache needs 2 or more blocks (one is scratch), got {num_blocks}")
         self.block_size, self.heads_per_block = block_size, heads_per_block
-        self.data = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, heads_per_block, cfg.head_dim,
+        # Head-major, so that a layer's keys are one [heads, slots, head_dim] tensor that attention reads in place.
+        self.data = torch.zeros(cfg.num_layers, 2, heads_per_block, num_blocks, block_size, cfg.head_dim,
                                 dtype=dtype, device=device)
         self.reset()
 
@@ -37,7 +38,11 @@ class PagedKV:
 
     @property
     def num_blocks(self) -> int:
-        return self.data.shape[2]
+        return self.data.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
 
     @property
     def free_blocks(self) -> int:
@@ -67,19 +72,19 @@ class PagedKV:
                 self._free.append(i)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of layer i as token slots [blocks * block_size, heads_per_block, head_dim] (views)."""
+        """Keys and values of layer i as [heads_per_block, blocks * block_size token slots, head_dim] (views)."""
         k, v = self.data[i]
-        return k.flatten(0, 1), v.flatten(0, 1)
+        return k.flatten(1, 2), v.flatten(1, 2)
 
     def copy(self, src: list[int], dst: list[int]) -> None:
-        self.data[:, :, dst] = self.data[:, :, src]
+        self.data[:, :, :, dst] = self.data[:, :, :, src]
 
     def gather(self, ids: list[int]) -> torch.Tensor:
         """The blocks' contents in every layer, flat (what a regroup sends)."""
-        return self.data[:, :, ids].reshape(-1)
+        return self.data[:, :, :, ids].reshape(-1)
 
     def scatter(self, ids: list[int], flat: torch.Tensor) -> None:
-        self.data[:, :, ids] = flat.view(*self.data.shape[:2], len(ids), *self.data.shape[3:])
+        self.data[:, :, :, ids] = flat.view(*self.data.shape[:3], len(ids), *self.data.shape[4:])
 
     def tables_for(self, batch: int, tokens: int, groups: int) -> torch.Tensor:
         """Allocates `batch` sequences of `tokens` tokens and `groups` head groups: their tables [B, g, blocks]

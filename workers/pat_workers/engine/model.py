@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from .comm import Communicator
 from .config import ModelConfig
@@ -62,41 +63,65 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 class LayerShard:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
+    wqkv: torch.Tensor  # [chunks x (q + k + v rows of a chunk), hidden]: one GEMM
     wo: torch.Tensor
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
+    w_gate_up: torch.Tensor  # [chunks x (gate + up rows of a chunk), hidden]: one GEMM
     w_down: torch.Tensor
-    bq: torch.Tensor | None = None
-    bk: torch.Tensor | None = None
-    bv: torch.Tensor | None = None
+    chunks: int  # head chunks (and MLP chunks) this shard holds
+    bqkv: torch.Tensor | None = None
     bo: torch.Tensor | None = None
-    b_gate: torch.Tensor | None = None
-    b_up: torch.Tensor | None = None
+    b_gate_up: torch.Tensor | None = None
     b_down: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
 
 
-def layer_shard(w: Mapping[str, torch.Tensor], prefix: str, q_rows: slice = slice(None),
-                kv_rows: slice = slice(None), mlp_rows: slice = slice(None)) -> LayerShard:
-    """One layer's weights under `prefix` (Hugging Face names), sliced to a TP shard's rows: views, no copies."""
-    def get(name: str, rows: slice | None = None) -> torch.Tensor | None:
-        t = w.get(prefix + name)
-        return t if t is None or rows is None else t[rows]
+def fuse_layer(cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, chunks: int) -> dict[str, torch.Tensor]:
+    """Replaces q/k/v and gate/up of one layer by one tensor each, interleaved by chunk: chunk c holds the q, k and v
+    rows of heads c/chunks (and the gate and up rows of MLP columns c/chunks), so the rows of any TP size's shard are
+    one contiguous slice, and one GEMM computes them. The Hugging Face names stay, as strided views into the fused
+    tensor, so a weight update writes through them (weightsync copies into views). Returns the fused tensors."""
+    d, hq, hkv = cfg.head_dim, cfg.num_heads // chunks, cfg.num_kv_heads // chunks
+    fused = {}
+    for name, parts in (("self_attn.qkv", (("self_attn.q_proj", hq * d), ("self_attn.k_proj", hkv * d),
+                                           ("self_attn.v_proj", hkv * d))),
+                        ("mlp.gate_up", (("mlp.gate_proj", cfg.intermediate_size // chunks),
+                                         ("mlp.up_proj", cfg.intermediate_size // chunks)))):
+        width = sum(rows for _, rows in parts)
+        for kind in ("weight", "bias"):
+            tensors = [w.get(f"{prefix}{part}.{kind}") for part, _ in parts]
+            if tensors[0] is None:
+                continue
+            out = torch.empty(chunks, width, *tensors[0].shape[1:], dtype=tensors[0].dtype, device=tensors[0].device)
+            at = 0
+            for (part, rows), t in zip(parts, tensors):
+                view = out[:, at:at + rows]
+                view.copy_(t.view(chunks, rows, *t.shape[1:]))
+                w[f"{prefix}{part}.{kind}"] = view  # the separate tensor is freed: one copy of the weights
+                at += rows
+            fused[f"{name}.{kind}"] = out.flatten(0, 1)
+    return fused
+
+
+def layer_shard(w: Mapping[str, torch.Tensor], fused: Mapping[str, torch.Tensor], prefix: str, chunks: int, tp: int,
+                index: int, q_cols: slice, mlp_cols: slice) -> LayerShard:
+    """One layer's weights, sliced to a TP shard: views, no copies (fused rows of its chunks, o/down columns)."""
+    per_rank = chunks // tp
+
+    def rows(name: str) -> torch.Tensor | None:
+        t = fused.get(name)
+        if t is None:
+            return None
+        width = t.shape[0] // chunks
+        return t[index * per_rank * width:(index + 1) * per_rank * width]
 
     return LayerShard(
-        input_norm=get("input_layernorm.weight"), post_norm=get("post_attention_layernorm.weight"),
-        wq=get("self_attn.q_proj.weight", q_rows), wk=get("self_attn.k_proj.weight", kv_rows),
-        wv=get("self_attn.v_proj.weight", kv_rows), wo=w[prefix + "self_attn.o_proj.weight"][:, q_rows],
-        w_gate=get("mlp.gate_proj.weight", mlp_rows), w_up=get("mlp.up_proj.weight", mlp_rows),
-        w_down=w[prefix + "mlp.down_proj.weight"][:, mlp_rows],
-        bq=get("self_attn.q_proj.bias", q_rows), bk=get("self_attn.k_proj.bias", kv_rows),
-        bv=get("self_attn.v_proj.bias", kv_rows), bo=get("self_attn.o_proj.bias"),
-        b_gate=get("mlp.gate_proj.bias", mlp_rows), b_up=get("mlp.up_proj.bias", mlp_rows),
-        b_down=get("mlp.down_proj.bias"), q_norm=get("self_attn.q_norm.weight"), k_norm=get("self_attn.k_norm.weight"))
+        input_norm=w[prefix + "input_layernorm.weight"], post_norm=w[prefix + "post_attention_layernorm.weight"],
+        wqkv=rows("self_attn.qkv.weight"), wo=w[prefix + "self_attn.o_proj.weight"][:, q_cols],
+        w_gate_up=rows("mlp.gate_up.weight"), w_down=w[prefix + "mlp.down_proj.weight"][:, mlp_cols],
+        chunks=per_rank, bqkv=rows("self_attn.qkv.bias"), bo=w.get(prefix + "self_attn.o_proj.bias"),
+        b_gate_up=rows("mlp.gate_up.bias"), b_down=w.get(prefix + "mlp.down_proj.bias"),
+        q_norm=w.get(prefix + "self_attn.q_norm.weight"), k_norm=w.get(prefix + "self_attn.k_norm.weight"))
 
 
 def attention_inputs(cfg: ModelConfig, layer: LayerShard, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -104,9 +129,12 @@ def attention_inputs(cfg: ModelConfig, layer: LayerShard, h: torch.Tensor, cos: 
     """q [B, T, heads, d], k and v [B, T, kv_heads, d] of normed hidden states h [B, T, hidden], RoPE applied
     (cos and sin broadcast to [B, T, 1, d])."""
     b, t, _ = h.shape
-    q = F.linear(h, layer.wq, layer.bq).view(b, t, heads, cfg.head_dim)
-    k = F.linear(h, layer.wk, layer.bk).view(b, t, kv_heads, cfg.head_dim)
-    v = F.linear(h, layer.wv, layer.bv).view(b, t, kv_heads, cfg.head_dim)
+    d, c = cfg.head_dim, layer.chunks
+    qkv = F.linear(h, layer.wqkv, layer.bqkv).view(b, t, c, -1)
+    nq, nkv = heads // c * d, kv_heads // c * d
+    q = qkv[..., :nq].reshape(b, t, heads, d)
+    k = qkv[..., nq:nq + nkv].reshape(b, t, kv_heads, d)
+    v = qkv[..., nq + nkv:].reshape(b, t, kv_heads, d)
     if layer.q_norm is not None:
         q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     return rope(q, cos, sin), rope(k, cos, sin), v
@@ -114,8 +142,9 @@ def attention_inputs(cfg: ModelConfig, layer: LayerShard, h: torch.Tensor, cos: 
 
 def mlp(layer: LayerShard, h: torch.Tensor) -> torch.Tensor:
     """SwiGLU without the down projection's bias (added once, after a TP all-reduce)."""
-    return F.linear(F.silu(F.linear(h, layer.w_gate, layer.b_gate)) * F.linear(h, layer.w_up, layer.b_up),
-                    layer.w_down)
+    b, t, _ = h.shape
+    gate_up = F.linear(h, layer.w_gate_up, layer.b_gate_up).view(b, t, layer.chunks, 2, -1)
+    return F.linear((F.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]).reshape(b, t, -1), layer.w_down)
 
 
 @dataclass
@@ -132,6 +161,83 @@ class Shard:
     lm_head_sharded: bool
 
 
+@torch.library.custom_op("pat::write_kv", mutates_args=("cache",))
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """cache[:, slots] = values, in place. An op of its own, opaque to torch.compile: written as an index_put inside a
+    compiled step, inductor copies the whole pool to keep the write functional (5x the step's time measured here)."""
+    cache.index_copy_(1, slots, values)
+
+
+@write_kv.register_fake
+def _(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    return None
+
+
+# FlexAttention runs compiled or not at all: uncompiled, it materialises every score of the whole pool. One compile
+# per process serves every batch and TP size (dynamic rows; a row's heads are the same at every TP size).
+_flex_attention = torch.compile(flex_attention, dynamic=True)
+
+
+@dataclass
+class DecodeMask:
+    """The block mask of a decode step as plain tensors (see decode_mask), so that it crosses the op boundary."""
+
+    partial: torch.Tensor  # [R, 1, 1, pool blocks] int32: the last block of each row first
+    full_counts: torch.Tensor  # [R, 1, 1] int32: whole blocks before it
+    full: torch.Tensor  # [R, 1, 1, pool blocks] int32: the row's table first
+    offsets: torch.Tensor  # [R]: the last position's offset in the last block
+    block_size: int
+
+
+def decode_mask(tables: torch.Tensor, positions: torch.Tensor, pool_blocks: int, block_size: int) -> DecodeMask:
+    """The block mask of a decode step: row r (a row's head group) attends to its blocks tables[r, :n] whole but the
+    last, and in the last to the positions up to positions[r]. Each row costs its own length. tables [R, W] (padding:
+    any block id), positions [R]."""
+    rows, width = tables.shape
+    last = torch.div(positions, block_size, rounding_mode="floor")  # index of the last block in each table
+    # CPU's kernel wants the index tensors as wide as the pool (or the table, where a profile's table repeats ids);
+    # only the first entries of each row are read.
+    full = torch.zeros(rows, 1, 1, max(pool_blocks, width), dtype=torch.int32, device=tables.device)
+    full[:, 0, 0, :width] = tables
+    partial = torch.zeros_like(full)
+    partial[:, 0, 0, :1] = tables.gather(1, last[:, None])
+    return DecodeMask(partial, last.to(torch.int32).view(rows, 1, 1), full, positions % block_size, block_size)
+
+
+@torch.library.custom_op("pat::paged_decode_attention", mutates_args=())
+def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, partial: torch.Tensor,
+                           full_counts: torch.Tensor, full: torch.Tensor, offsets: torch.Tensor, block_size: int
+                           ) -> torch.Tensor:
+    """Attention of one new token per row over its own KV blocks, read in place: q [R, heads, 1, d] (R = rows x head
+    groups), keys and values [heads_per_block, slots, d] (the pool of one layer), the mask's tensors (DecodeMask).
+
+    An op of its own: a compiled step calls the compiled kernel as one extern call (inductor's CPU template fails to
+    build inside larger graphs), and a CUDA graph captures its kernels. The mask function is asked only about each
+    row's last block, the others being full: exact because FlexAttention runs compiled only."""
+    def within(b, h, q_idx, kv_idx):
+        return kv_idx % block_size <= offsets[b]
+    mask = BlockMask.from_kv_blocks(torch.ones_like(full_counts), partial, full_counts, full,
+                                    BLOCK_SIZE=(128, block_size), mask_mod=within,
+                                    seq_lengths=(1, keys.shape[1]), compute_q_blocks=False)
+    try:
+        return _flex_attention(q, keys[None], values[None], block_mask=mask, enable_gqa=True)
+    except Exception as e:  # a device or block size without a FlexAttention kernel: never a silent fallback
+        raise RuntimeError(f"FlexAttention's paged decode failed on device {q.device.type} with the KV block size "
+                           f"{block_size} (engine option block_size): {e}") from e
+
+
+@paged_decode_attention.register_fake
+def _(q, keys, values, partial, full_counts, full, offsets, block_size):
+    return torch.empty_like(q)
+
+
+def fuse_chunks(cfg: ModelConfig) -> int:
+    """Chunks of the fused weights: the largest power of two dividing the KV heads and the MLP width, so that every TP
+    size the model allows takes whole chunks."""
+    n = math.gcd(cfg.num_kv_heads, cfg.intermediate_size)
+    return n & -n
+
+
 class Transformer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
         self.cfg = cfg
@@ -140,6 +246,9 @@ class Transformer:
         self.dtype = weights["model.embed_tokens.weight"].dtype
         self.lm_head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, self.device, self.dtype)
+        self.hf_shapes = {name: tuple(t.shape) for name, t in weights.items()}  # as a checkpoint or a sync has them
+        self.chunks = fuse_chunks(cfg)
+        self.fused = [fuse_layer(cfg, weights, f"model.layers.{i}.", self.chunks) for i in range(cfg.num_layers)]
 
     def check_tp(self, tp: int) -> None:
         cfg = self.cfg
@@ -151,10 +260,10 @@ class Transformer:
         self.check_tp(tp)
         cfg, d = self.cfg, self.cfg.head_dim
         hq, hkv, inter = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.intermediate_size // tp
-        q_rows = slice(index * hq * d, (index + 1) * hq * d)
-        kv_rows = slice(index * hkv * d, (index + 1) * hkv * d)
-        mlp_rows = slice(index * inter, (index + 1) * inter)
-        layers = [layer_shard(self.w, f"model.layers.{i}.", q_rows, kv_rows, mlp_rows) for i in range(cfg.num_layers)]
+        q_cols = slice(index * hq * d, (index + 1) * hq * d)
+        mlp_cols = slice(index * inter, (index + 1) * inter)
+        layers = [layer_shard(self.w, fused, f"model.layers.{i}.", self.chunks, tp, index, q_cols, mlp_cols)
+                  for i, fused in enumerate(self.fused)]
         sharded = cfg.vocab_size % tp == 0
         vocab = cfg.vocab_size // tp
         lm_head = self.lm_head[index * vocab:(index + 1) * vocab] if sharded else self.lm_head
@@ -166,38 +275,41 @@ class Transformer:
         of each row (default T-1: rows of a batched prefill are right-padded to T), or [B, T, vocab] at every
         position with `all_positions`.
 
+        T = 1 is a decode step: the token at position start is written into the cache, then attends to its row's
+        blocks in place (paged FlexAttention). T > 1 is a prefill from position 0 (start must be 0): its keys and
+        values are written, and it attends causally to them as computed, reading nothing from the cache.
         tables [B, g, blocks] are the rows' block tables on this rank (g head groups; padding entries are block 0,
-        scratch). Positions start..start+T-1 are written, then blocks * block_size positions are read and masked
-        causally: shapes depend only on B, T and the table's width, so a CUDA graph can capture the step.
+        scratch). Shapes depend only on B, T and the table's width, so a CUDA graph can capture the step.
         """
         cfg, d = self.cfg, self.cfg.head_dim
         b, t = tokens.shape
         g, bs = tables.shape[1], kv.block_size
+        if t > 1 and start.any():
+            raise ValueError("a forward of several tokens is a prefill from position 0: use start 0, or decode the "
+                             "tokens one at a time")
         positions = start[:, None] + torch.arange(t, device=tokens.device)  # [B, T]
         cos, sin = self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)  # [B, T, 1, d]
-        offsets = torch.arange(bs, device=tokens.device)
-        write = torch.gather(tables, 2, (positions // bs)[:, None].expand(b, g, t)) * bs + (positions % bs)[:, None]
-        read = (tables[..., None] * bs + offsets).flatten(2)  # [B, g, L]: every slot of the rows' blocks
-        length = read.shape[-1]
-        # The query heads that share a KV head attend as rows of one query [B, kv heads, rep x T, d]: K and V are not
-        # repeated per query head, and kernels that take a mask but not GQA (memory-efficient attention) apply.
-        rep = shard.num_heads // shard.num_kv_heads
-        mask = torch.arange(length, device=tokens.device) <= positions[..., None]  # [B, T, L]
-        mask = mask[:, None, None].expand(b, 1, rep, t, length).reshape(b, 1, rep * t, length)
+        # The slot of each (row, head group, position): [B, g, T].
+        slots = (torch.gather(tables, 2, (positions // bs)[:, None].expand(b, g, t)) * bs
+                 + (positions % bs)[:, None]).flatten()
+        mask = decode_mask(tables.flatten(0, 1), positions.repeat_interleave(g, 0)[:, 0], kv.num_blocks, bs) \
+            if t == 1 else None
+        hpb, rep = shard.num_kv_heads // g, shard.num_heads // shard.num_kv_heads
         rows = torch.arange(b, device=tokens.device)[:, None]
         x = self.w["model.embed_tokens.weight"][tokens]
         for i, layer in enumerate(shard.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             q, k, v = attention_inputs(cfg, layer, h, cos, sin, shard.num_heads, shard.num_kv_heads)
-            keys, values = kv.layer(i)  # [slots, heads_per_block, d]
-            keys[write] = k.view(b, t, g, -1, d).transpose(1, 2)  # [B, g, T, hpb, d] at slots [B, g, T]
-            values[write] = v.view(b, t, g, -1, d).transpose(1, 2)
-            k_all = keys[read].transpose(2, 3).reshape(b, shard.num_kv_heads, length, d)
-            v_all = values[read].transpose(2, 3).reshape(b, shard.num_kv_heads, length, d)
-            q = q.view(b, t, shard.num_kv_heads, rep, d).permute(0, 2, 3, 1, 4).reshape(b, shard.num_kv_heads, -1, d)
-            attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)  # [B, kv heads, rep x T, d]
-            attn = attn.view(b, shard.num_kv_heads, rep, t, d).permute(0, 3, 1, 2, 4)
-            out = F.linear(attn.reshape(b, t, shard.num_heads * d), layer.wo)
+            keys, values = kv.layer(i)  # [heads_per_block, slots, d]
+            # [B, T, g x hpb, d] -> [hpb, B x g x T, d], the order of `slots`
+            write_kv(keys, slots, k.view(b, t, g, hpb, d).permute(3, 0, 2, 1, 4).reshape(hpb, -1, d))
+            write_kv(values, slots, v.view(b, t, g, hpb, d).permute(3, 0, 2, 1, 4).reshape(hpb, -1, d))
+            if mask is not None:  # each (row, head group) is a row of the paged attention
+                attn = paged_decode_attention(q.view(b * g, hpb * rep, 1, d), keys, values, *vars(mask).values())
+            else:
+                attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      is_causal=True, enable_gqa=True)
+            out = F.linear(attn.reshape(b, shard.num_heads, t, d).transpose(1, 2).reshape(b, t, -1), layer.wo)
             x = x + self._reduced(comm, out, layer.bo)
             x = x + self._reduced(comm, mlp(layer, rms_norm(x, layer.post_norm, cfg.rms_norm_eps)), layer.b_down)
         if not all_positions:
