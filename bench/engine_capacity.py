@@ -1,6 +1,8 @@
 """What the paged KV cache buys, on this CPU: for one KV budget and bench/tail.py's lognormal lengths, the
 sequences the engine keeps running against the maxSeq slots the same bytes would hold (one slot per sequence), the
-decode tokens/s at the batch each reaches, and sampling's share of a decode step at batch 64 over 32K tokens.
+decode tokens/s at the batch each reaches, sampling's share of a decode step at batch 64 over 32K tokens, and what
+one long row costs a batch of short ones (mixed_over_uniform_step: 16 rows at contexts [4096, 64 x 15] over 16 rows
+at 316 each, the same KV tokens; paged attention that reads each row's own blocks keeps it near 1).
 
 Prints a table and, last, one JSON line. Not a test: it measures.
   python bench/engine_capacity.py            # 128 sequences, cap 512, budget = 8 maxSeq slots of the bench model
@@ -31,6 +33,7 @@ from pat_workers.sim.lengths import lognormal_lengths
 
 PROMPT_TOKENS = 16  # bench/tail.py's
 SAMPLING_BATCH, SAMPLING_VOCAB = 64, 32768
+MIXED, UNIFORM = [4096] + [64] * 15, [316] * 16  # the same 5,056 KV tokens
 
 
 class OneRankPool:
@@ -188,6 +191,9 @@ def main() -> int:
                                           args.block_size, max_seq, args.repeats)
     tps_slots, tps_paged = slots / step_slots, paged / step_paged
 
+    mixed, uniform = step_seconds(model, [(MIXED, len(MIXED)), (UNIFORM, len(UNIFORM))], args.block_size,
+                                  max(MIXED) + args.repeats + 3, args.repeats)
+
     big = cached_model(args.models, args.preset, args.seed, vocab_size=SAMPLING_VOCAB)
     rows = quantiles(cap["contexts"], SAMPLING_BATCH)
     step_t, sample_t = sampling_share(big, rows, args.block_size, max_seq, args.repeats)
@@ -207,6 +213,10 @@ def main() -> int:
     print(f"  {'':22s} {'batch':>7s} {'step ms':>8s} {'tokens/s':>9s}")
     print(f"  {'maxSeq slots':22s} {slots:7d} {1e3 * step_slots:8.1f} {tps_slots:9.1f}")
     print(f"  {'paged (mean batch)':22s} {paged:7d} {1e3 * step_paged:8.1f} {tps_paged:9.1f}")
+    print(f"\none long row among short ones, {args.preset} model, whole engine steps (fastest of {args.repeats})")
+    print(f"  {'contexts [4096, 64 x 15]':26s} {1e3 * mixed:8.1f} ms")
+    print(f"  {'contexts [316 x 16]':26s} {1e3 * uniform:8.1f} ms   mixed / uniform {mixed / uniform:.2f} "
+          f"(target <= 1.3)")
     print(f"\nsampling, {args.preset} model with vocab {SAMPLING_VOCAB}, batch {SAMPLING_BATCH} "
           f"(forward + sample vs sample alone, fastest of {args.repeats})")
     print(f"  {'':22s} {'step ms':>8s} {'sample ms':>9s} {'share':>7s}")
@@ -221,6 +231,8 @@ def main() -> int:
         "preemptions": cap["preempted"], "recomputed_tokens": cap["recomputed"], "mean_context": round(context, 1),
         "tokens_per_s_slots": round(tps_slots, 2), "tokens_per_s_paged": round(tps_paged, 2),
         "step_ms_slots": round(1e3 * step_slots, 2), "step_ms_paged": round(1e3 * step_paged, 2),
+        "mixed_over_uniform_step": round(mixed / uniform, 3), "step_ms_mixed": round(1e3 * mixed, 2),
+        "step_ms_uniform": round(1e3 * uniform, 2),
         "sampling_share": round(sample_t / step_t, 4), "sampling_share_top_p": round(sample_p / step_p, 4),
         "budget_bytes": budget, "block_size": args.block_size, "max_seq": max_seq, "preset": args.preset,
         "requests": len(lengths), "cap": args.cap, "sampling_batch": SAMPLING_BATCH,

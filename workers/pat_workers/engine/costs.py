@@ -2,9 +2,10 @@
 
 Measured once at start by every rank together (all blocks of a TP size at once, so contention is as in use)
 and agreed on (max over ranks), so that every rank takes the same migrate-or-recompute decisions. The decode
-profile T(tp, batch, context) is what a planner needs to decide when to regroup: steps at DECODE_CONTEXT tokens
-per sequence for each batch size, and at the largest batch once more at LONG_CONTEXT, whose difference is the
-cost of reading one more KV token (what makes a long tail's steps slower than its batch size says).
+profile T(tp, batch, context) is what a planner needs to decide when to regroup: the served decode step (forward
+over the paged cache and sampling, padded as the engine pads it) at DECODE_CONTEXT tokens per sequence for each
+batch size, and at the largest batch once more at the engine's maxSeq, whose difference is the cost of reading one
+more KV token (what makes a long tail's steps slower than its batch size says; paged attention makes it linear).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from .comm import CommunicatorPool, measure_link_bandwidth
 from .engine import bucket
 from .kv import PagedKV
 from .model import Transformer
+from .sampling import SamplingBatch, SamplingParams, sample
 
 PREFILL_LENGTHS = (16, 128)
-DECODE_CONTEXT, LONG_CONTEXT = 64, 512  # tokens per sequence of the profiled decode steps
+DECODE_CONTEXT = 64  # tokens per sequence of the profiled decode steps at each batch size
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,14 @@ def _timed(fn, repeats: int, device: torch.device) -> float:
 
 
 def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], batches: list[int], kv: PagedKV,
-            static_shapes: bool = False, repeats: int = 7) -> Costs:
+            max_seq: int, static_shapes: bool = False, repeats: int = 7) -> Costs:
     """Collective over the pod's ranks. Runs in the engine's own (empty) KV pool: rows of the profiled batches take
     its blocks in turn, wrapping around when it is smaller than they need (what a step reads and writes is the same
     amount of memory either way), so profiling takes no memory beside the pool. static_shapes: tables padded as the
     engine pads them for graphs."""
     rank, world = pool.rank, pool.world
-    device, cfg, max_tp, bs = model.device, model.cfg, max(tp_sizes), kv.block_size
-    long_context = max(min(LONG_CONTEXT, cfg.max_position_embeddings - 1), DECODE_CONTEXT + 1)
+    device, max_tp, bs = model.device, max(tp_sizes), kv.block_size
+    long_context = max(max_seq - 1, DECODE_CONTEXT + 1)
     width = -(-max(PREFILL_LENGTHS[-1], long_context + 1) // bs)
     samples: list[float] = []
     for tp in tp_sizes:
@@ -97,7 +99,10 @@ def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], bat
             start = torch.full((batch,), context, dtype=torch.long, device=device)
             blocks = context // bs + 1
             table = tables[:batch, :, :bucket(blocks, width) if static_shapes else blocks]  # as the engine pads
-            samples.append(_timed(lambda: model.forward(shard, comm, kv, tokens, start, table), repeats, device))
+            params = SamplingBatch.build([SamplingParams(temperature=1.0)] * batch, model.cfg.vocab_size, device)
+            steps = torch.zeros(batch, dtype=torch.long, device=device)
+            samples.append(_timed(lambda: sample(model.forward(shard, comm, kv, tokens, start, table), params, steps),
+                                  repeats, device))
     link = (0.0, 0.0)
     if world > 1:
         pair = pool.get(next(b for b in pool.blocks(2) if rank in b))
@@ -118,7 +123,7 @@ def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], bat
         per_token = max((s1 - s0) / (l1 - l0), 1e-9)
         prefill[tp] = (max(s0 - per_token * l0, 0.0), per_token)
         decode[tp] = dict(zip(batches, values[i + 2:i + 2 + len(batches)]))
-        longer = values[i + 2 + len(batches)] - decode[tp][max(batches)]  # the largest batch, LONG_CONTEXT each
+        longer = values[i + 2 + len(batches)] - decode[tp][max(batches)]  # the largest batch, maxSeq each
         kv_seconds[tp] = max(longer, 0.0) / (max(batches) * (long_context - DECODE_CONTEXT))
         i += 3 + len(batches)
     bandwidth, latency = -values[i], values[i + 1]

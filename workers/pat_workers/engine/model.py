@@ -174,8 +174,10 @@ def _(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
 
 
 # FlexAttention runs compiled or not at all: uncompiled, it materialises every score of the whole pool. One compile
-# per process serves every batch and TP size (dynamic rows; a row's heads are the same at every TP size).
-_flex_attention = torch.compile(flex_attention, dynamic=True)
+# per process serves every batch and TP size: the rows are dynamic (paged_decode_attention marks them), a row's heads
+# are the same at every TP size, and the pool's length stays static (inductor's CPU template miscompiles a symbolic
+# KV length: "cur_kvSplitSize1 was not declared").
+_flex_attention = torch.compile(flex_attention)
 
 
 @dataclass
@@ -216,6 +218,8 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     row's last block, the others being full: exact because FlexAttention runs compiled only."""
     def within(b, h, q_idx, kv_idx):
         return kv_idx % block_size <= offsets[b]
+    for rows in (q, partial, full_counts, full, offsets):
+        torch._dynamo.maybe_mark_dynamic(rows, 0)
     mask = BlockMask.from_kv_blocks(torch.ones_like(full_counts), partial, full_counts, full,
                                     BLOCK_SIZE=(128, block_size), mask_mod=within,
                                     seq_lengths=(1, keys.shape[1]), compute_q_blocks=False)
