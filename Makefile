@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: test run cluster controlplane crdserver prometheus helm vllm grafana-schema bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
-        simulate gpu-bench gpu-check clean
+        simulate gpu-check clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 or run make PYTHON=python3"; exit 1; }
@@ -83,16 +83,13 @@ simulate: $(STAMP)
 	$(VENV)/bin/pat simulate --preset paper-llama8b
 	$(VENV)/bin/pat simulate --preset paper-qwen14b
 
-# The decode forward of a Llama-3.1-8B-shaped model on one GPU beside the HBM roofline (--shards: per TP shard, the
-# GPU side of `pat simulate`'s cost model; docs/simulate.md).
-gpu-bench: $(STAMP)
-	$(PY) bench/gpu_decode.py
-
 # On one GPU, <= 8 minutes, results in bench/results/ (GPU_CHECK_OUT=DIR to change): one trainer step of a
 # Qwen2.5-1.5B-shaped model, peak memory vs the fit check and MFU (gpu-check-trainer.json; docs/trainer-memory.md);
 # then the engine (gpu-check-engine.json; docs/benchmarks.md): Engine.step() of a Llama-3.1-8B-shaped model at batch
-# 1 and 128 against the HBM roofline, host time per step, eager vs CUDA graphs, the example's sequences per GPU, and
-# regroups of 2 and 4 ranks sharing the GPU against fp32. Without the venv (a bare GPU machine) it runs the machine's
+# 1 and 128 against the HBM roofline, host time per step, eager vs CUDA graphs, the example's sequences per GPU,
+# `pat simulate`'s engine profile (gpu-check-engine-profile.json: one rank's shard per TP size) and regroups of 2 and 4
+# ranks sharing the GPU against fp32. Every file names the commit it measured (PAT_COMMIT=SHA where the tree has no
+# .git), the engine's files the engine's revision too. Without the venv (a bare GPU machine) it runs the machine's
 # python3, with pydantic's wheels carried in .whl/.
 gpu-check:
 	scripts/gpu-check.sh

@@ -9,7 +9,8 @@ micro-batch). It reports
   against pat_operator.fit.trainer_memory's estimate for the same job (memory_ratio: target within 1 +- 0.15),
 - the MFU of the fastest warm step: model FLOPs (6 x matmul parameters x tokens, the LM head over the response
   tokens it scores, plus causal attention) over its time, over the GPU's dense bf16 peak (target >= 0.40).
-It writes them to bench/results/gpu-check-trainer.json (--out to change) and prints them as one JSON line.
+It writes them to bench/results/gpu-check-trainer.json (--out to change), with the commit it measured, and prints
+them as one JSON line.
 On an error it still writes what it has, with the traceback; a watchdog ends it after --timeout seconds.
 
 --smoke runs the same code on CPU (the test preset, gloo, float32, a few tokens) and writes only with --out.
@@ -36,6 +37,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from pat_operator import fit
 from pat_workers.engine.loader import save_weights
 from pat_workers.engine.tiny import random_weights
+from pat_workers.revision import stamp
 from pat_workers.trainer.loop import adamw, train_iteration
 from pat_workers.trainer.policy import sharded_policy
 from trainer_memory import estimated_state_bytes, job_spec, state_bytes, synthetic_rollouts
@@ -131,8 +133,8 @@ def main() -> int:
         ap.error(str(e))
     device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
     out = args.out or (None if args.smoke else RESULTS)
-    result: dict = {"device": "cpu" if args.smoke else torch.cuda.get_device_name(device),
-                    "torch": torch.__version__, "smoke": args.smoke}
+    result: dict = stamp({"device": "cpu" if args.smoke else torch.cuda.get_device_name(device),
+                          "torch": torch.__version__, "smoke": args.smoke}, engine=False)  # + the commit measured
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # One rank in this process: an in-process store, no port to find.

@@ -16,6 +16,12 @@ Sections, each written to the JSON as soon as it ends (an error in one is record
   Roofline: the bytes one step must read (the weights but the embedding table, of which B rows are read, plus the KV
   of the tokens each row attends) over the HBM bandwidth, against the step's wall time. Targets: >= 70% (batch 1),
   >= 60% (batch 128), host <= 0.3 ms.
+- profile: `pat simulate`'s engine profile of this GPU (pat_workers.sim.hardware.shard_profile): one rank's shard of
+  the same model per TP size (1/t of the heads and MLP columns, the forward of the engine's decode step captured in a
+  CUDA graph, prefill eagerly) at PROFILE_BATCHES x PROFILE_CONTEXTS and PROFILE_PREFILLS; the all-reduces of a
+  TP>1 group need t GPUs and are modelled over this GPU's NVLink. Written to --profile-out
+  (bench/results/gpu-check-engine-profile.json) with the engine's revision and the commit: pat simulate --preset
+  paper-llama8b runs on it beside the GPU model when it measured an H200, and `--hardware FILE` on any GPU.
 - regroup: a tiny Llama (bf16) on 2 and 4 ranks sharing the GPU (EngineOptions.device "cuda-shared": gloo with CUDA
   tensors staged through the host, since NCCL refuses two ranks on one device), regrouped mid-batch (1->2, 2->1;
   1->2, 2->4, 1->4, 4->1) with KV migration and with recompute. TP=1 steps run in the engine's CUDA graphs, before
@@ -24,15 +30,16 @@ Sections, each written to the JSON as soon as it ends (an error in one is record
   and the tolerances below); a negative control (a corrupted weight slice on one rank) must be caught.
 - compile: torch.compile(mode="reduce-overhead") around the decode step at batch 1, against the hand-captured graphs
   (run last, and only if --timeout leaves COMPILE_SECONDS).
-The JSON goes to bench/results/gpu-check-engine.json (--out to change), rewritten after every section; a watchdog
+The JSON goes to bench/results/gpu-check-engine.json (--out to change), rewritten after every section; both files
+name the engine's revision and the commit they measured (pat_workers.revision); a watchdog
 ends the run after --timeout seconds, leaving what was measured, and kills the engine ranks. Exit status 1 when a
 section failed or a correctness check did not hold (regroup mismatches, the negative control not caught), 3 when
 the watchdog fired; performance targets are reported beside each number, pass or fail, and do not change it.
 
 --smoke runs the same code on CPU (the test preset, float32 decode, bf16 regroups, batch 8 at context 64 for batch
-128 at 2048, torch.compile's tracing without inductor) in ~40 s, with a stand-in for CUDA graphs (capture records
-the step, replay reruns it into the captured outputs) so that the engine's graph path runs too; it writes only with
---out.
+128 at 2048, a profile at small batches and contexts timed eagerly, torch.compile's tracing without inductor) in
+~40 s, with a stand-in for CUDA graphs (capture records the step, replay reruns it into the captured outputs) so that
+the engine's graph path runs too; it writes only with --out (and --profile-out).
   python bench/gpu_engine.py            # needs a CUDA GPU; ~2-4 minutes on an H200 (an estimate: not run yet)
   python bench/gpu_engine.py --smoke --out /tmp/engine.json
 """
@@ -43,6 +50,7 @@ import argparse
 import contextlib
 import dataclasses
 import faulthandler
+import functools
 import json
 import multiprocessing
 import os
@@ -69,15 +77,21 @@ from pat_workers.engine.loader import load_model
 from pat_workers.engine.model import Transformer
 from pat_workers.engine.sampling import SamplingBatch, SamplingParams, _threshold, sample, uniform
 from pat_workers.engine.tiny import fresh, make_tiny_model, mixed_requests, random_weights
+from pat_workers.revision import ENGINE_REVISION, stamp
+from pat_workers.sim.hardware import ENGINE_PROFILE, Roofline, shard_profile
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results" / "gpu-check-engine.json"
+PROFILE = REPO / ENGINE_PROFILE
 EXAMPLE = REPO / "examples" / "llama-3.1-8b.yaml"
 # meta-llama/Llama-3.1-8B's config.json: the llama-8b preset's dimensions, its RoPE and its context length.
 LLAMA_31 = dict(fit.PRESETS["llama-8b"], max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
 TARGETS = {"batch1_roofline": 0.70, "batch128_roofline": 0.60, "host_ms": 0.3}
+# The profile's grid (--smoke: (1, 4), (32, 64), (16, 32)). Batch 128 at context 2048 holds 34 GB of KV at TP=1: an
+# H100 fits it beside the 16 GB of weights.
+PROFILE_BATCHES, PROFILE_CONTEXTS, PROFILE_PREFILLS = (1, 4, 16, 64, 128), (512, 2048), (512, 2048)
 COMPILE_SECONDS = 150  # what the compile section needs at least (an 8B decode step compiles in ~1-2 min: a guess)
 
 # The regroup checks (see `checks`). bf16 keeps 8 bits of mantissa: the tiny model's log-probabilities move by up to
@@ -367,6 +381,79 @@ def compile_decode(result: dict, model: Transformer, case: DecodeCase, clock: Cl
                   captured_step_ms=captured.get("step_ms"))
     print(f"compile ({options}): {result['compile_s']} s to compile; step {result['step_ms']:.3f} ms at "
           f"batch {case.batch}, against {captured.get('step_ms')} ms in the engine's own graphs", flush=True)
+
+
+# -- profile ---------------------------------------------------------------------------------------------------
+def shard_seconds(step, clock: Clock, reps: int, graph: bool) -> float:
+    """Seconds per call of step(), replayed from a CUDA graph when `graph` (on a GPU), else called as it is."""
+    if not (graph and clock.cuda):
+        return clock.per_call(step, reps)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        step()
+    seconds = clock.per_call(cuda_graph.replay, reps)
+    del cuda_graph
+    return seconds
+
+
+def profile(result: dict, model: Transformer, clock: Clock, gpu: fit.GPU, smoke: bool, out: Path | None) -> None:
+    """One rank's shard per TP size, timed (seconds: decode[tp][context][batch], prefill[tp][tokens]), and the engine
+    profile made of it (shard_profile), written to `out` with the engine's revision and the commit."""
+    cfg, device, bs = model.cfg, model.device, 16
+    batches, contexts, prefills, reps = ((1, 4), (32, 64), (16, 32), 3) if smoke else (
+        PROFILE_BATCHES, PROFILE_CONTEXTS, PROFILE_PREFILLS, 20)
+    shape = fit.tiny_shape("test") if smoke else fit.SHAPES["llama-3.1-8b"]
+    shards: dict = {"decode": {}, "prefill": {}}
+    for tp in cfg.tp_sizes(8):
+        shard, comm = model.shard(tp, 0), SoloCommunicator(0)
+        decode: dict = {}
+        prefill: dict = {}
+        shards["decode"][str(tp)], shards["prefill"][str(tp)] = decode, prefill
+        for context in contexts:
+            kv = PagedKV(cfg, max(batches) * -(-(context + 1) // bs) + 1, bs, cfg.num_kv_heads // tp, model.dtype,
+                         device)
+            decode[str(context)] = {}
+            for batch in batches:
+                kv.reset()
+                tables = kv.tables_for(batch, context + 1, 1)  # the step writes position `context`, reads 0..context
+                tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+                start = torch.full((batch,), context, dtype=torch.long, device=device)
+                step = functools.partial(model.forward, shard, comm, kv, tokens, start, tables)
+                decode[str(context)][str(batch)] = shard_seconds(step, clock, reps, graph=True)
+            del kv
+        for n in prefills:
+            kv = PagedKV(cfg, -(-n // bs) + 1, bs, cfg.num_kv_heads // tp, model.dtype, device)
+            tables, tokens = kv.tables_for(1, n, 1), torch.zeros(1, n, dtype=torch.long, device=device)
+            start = torch.zeros(1, dtype=torch.long, device=device)
+            step = functools.partial(model.forward, shard, comm, kv, tokens, start, tables)
+            prefill[str(n)] = shard_seconds(step, clock, max(reps // 4, 2), graph=False)
+            del kv
+        print(f"profile: TP={tp} shard: " + "; ".join(
+            f"context {c}: " + " ".join(f"b{b} {t * 1e3:.3f}" for b, t in row.items()) for c, row in decode.items())
+            + " ms; prefill " + " ".join(f"{n}: {t * 1e3:.2f}" for n, t in prefill.items()) + " ms", flush=True)
+        if clock.cuda:
+            torch.cuda.empty_cache()
+    device_name = torch.cuda.get_device_name(device) if clock.cuda else "cpu"
+    source = (f"{device_name}: {shape.name} shards measured by make gpu-check (bench/gpu_engine.py), the TP group's "
+              f"all-reduces modelled over {gpu.name} NVLink")
+    costs = shard_profile(shards, Roofline(gpu, shape), source)
+    try:  # the GPU measured, by its name in pat_operator.fit (which a preset matches), else as the device names itself
+        measured = fit.gpu(device_name.replace(" ", "-")).name
+    except fit.FitError:
+        measured = device_name
+    engine_profile = stamp({"gpu": measured, "model": shape.name, "device": device_name,
+                            "dtype": str(model.dtype).removeprefix("torch."), **costs})
+    result.update(shards=shards, engine=ENGINE_REVISION, file=None if out is None else str(out))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(engine_profile, indent=1) + "\n")
+        print(f"profile: pat simulate's engine profile in {out}", flush=True)
 
 
 # -- regroup ---------------------------------------------------------------------------------------------------
@@ -677,7 +764,7 @@ def cpu_graph_stand_in(engine_class: type = Engine):
 
 
 # -- main ------------------------------------------------------------------------------------------------------
-SECTIONS = ("bandwidth", "capacity", "decode", "regroup", "compile")
+SECTIONS = ("bandwidth", "capacity", "decode", "profile", "regroup", "compile")
 
 
 def build_model(result: dict, holder: dict, device: torch.device, clock: Clock, smoke: bool) -> None:
@@ -707,6 +794,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU, the test preset, seconds (the code paths, no numbers)")
     ap.add_argument("--out", type=Path, help=f"write the JSON here (default on a GPU: {RESULTS})")
+    ap.add_argument("--profile-out", type=Path, help=f"write pat simulate's engine profile here (default on a GPU: "
+                                                      f"{PROFILE})")
     ap.add_argument("--gpu", help="the GPU whose datasheet HBM bandwidth the rooflines use (default: this one, as "
                                   "pat_operator.fit knows it, else H200)")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
@@ -732,10 +821,10 @@ def main() -> int:
     if device.type == "cpu":  # no GPU: the capacity as on that GPU's datasheet memory, less a CUDA context
         memory = (int(gpu.memory_bytes) - (512 << 20), int(gpu.memory_bytes), f"{gpu.name} (assumed: no GPU here)")
     hbm = gpu.hbm_bytes_per_s
-    results = Results(args.out or (None if args.smoke else RESULTS), {
+    results = Results(args.out or (None if args.smoke else RESULTS), stamp({
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "gpu_spec": gpu.name,
         "torch": torch.__version__, "smoke": args.smoke, "targets": TARGETS,
-        "command": "python bench/gpu_engine.py " + " ".join(sys.argv[1:])})
+        "command": "python bench/gpu_engine.py " + " ".join(sys.argv[1:])}))
     watchdog(results, args.timeout)
     clock = Clock(device)
     # The ranks of LocalGenerator run this script's _rank_main (a forkserver child imports this file by its path).
@@ -753,11 +842,16 @@ def main() -> int:
             results.section("bandwidth", bandwidth, device, clock, hbm)
         if "capacity" in args.sections:
             results.section("capacity", capacity, memory)
-        if {"decode", "compile"} & set(args.sections):
+        if {"decode", "profile", "compile"} & set(args.sections):
             results.section("model", build_model, holder, device, clock, args.smoke)
         if "decode" in args.sections:
             with torch.inference_mode():
                 results.section("decode", lambda result: decode(result, holder["model"], cases, clock, hbm))
+        if "profile" in args.sections:
+            profile_out = args.profile_out or (None if args.smoke else PROFILE)
+            with torch.inference_mode():
+                results.section("profile", lambda result: profile(result, holder["model"], clock, gpu, args.smoke,
+                                                                  profile_out))
         if "regroup" in args.sections:
             results.section("regroup", regroup, device, args.smoke)
     if "compile" in args.sections:  # outside the stand-in: torch.compile on CPU needs the real torch.cuda

@@ -23,6 +23,7 @@ from tail import (PROMPT_TOKENS, REGROUP_FIXED_SECONDS, decode_steps, medians, m
 from pat_operator.layout import describe, uniform
 from pat_workers.engine.generator import LocalGenerator
 from pat_workers.engine.tiny import PRESETS
+from pat_workers.revision import stamp
 from pat_workers.sim.hardware import EngineCosts, Measured
 from pat_workers.sim.lengths import lognormal_lengths
 from pat_workers.sim.simulate import Scenario, fixed, pod_planner
@@ -48,7 +49,8 @@ def main() -> int:
           f"{sum(lengths) / len(lengths):.0f} / max {max(lengths)} tokens", flush=True)
 
     with LocalGenerator(model_dir, args.world, options) as gen:
-        profile_json = gen.costs.to_json(options.dtype, f"{args.preset} on this machine's CPU, {args.world} ranks")
+        profile_json = stamp(gen.costs.to_json(options.dtype, f"{args.preset} on this machine's CPU, {args.world} "
+                                               f"ranks"))  # the engine's revision: pat simulate reads no other
         if args.save_profile:
             args.save_profile.write_text(json.dumps(profile_json, indent=2))
         costs = Measured(EngineCosts.from_json(profile_json, "the engine"), gen.config.kv_bytes_per_token(4))

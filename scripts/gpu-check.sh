@@ -1,7 +1,10 @@
 #!/bin/sh
 # make gpu-check: one GPU, at most 8 minutes, results in bench/results/ (GPU_CHECK_OUT=DIR to change):
 #   bench/gpu_check.py   one trainer step of a 1.5B model (docs/trainer-memory.md): gpu-check-trainer.json
-#   bench/gpu_engine.py  the engine's serving path and regroups on the GPU (docs/benchmarks.md): gpu-check-engine.json
+#   bench/gpu_engine.py  the engine's serving path and regroups on the GPU (docs/benchmarks.md): gpu-check-engine.json,
+#                        and pat simulate's engine profile of this GPU: gpu-check-engine-profile.json
+# Every file names the commit it measured ("commit": git's HEAD, or $PAT_COMMIT where the tree has no .git), the
+# engine's files also the engine's revision ("engine": pat_workers.revision.ENGINE_REVISION).
 # Each has a watchdog inside (it writes what it measured) and a timeout outside; the engine gets what the trainer
 # left of the budget (GPU_CHECK_SECONDS, 470). Arguments go to bench/gpu_check.py, as before (--out FILE).
 # With the project's venv, or on a bare GPU machine (Python with torch, no network) with its python3 and the wheels
@@ -30,7 +33,8 @@ if [ "$engine" -lt 120 ]; then
   echo "gpu-check: only $engine s left of $budget s for bench/gpu_engine.py (it needs 120 or more)" >&2
   engine_rc=1
 else
-  timeout -k 10 $((engine + 10)) "$PY" bench/gpu_engine.py --timeout "$engine" --out "$out/gpu-check-engine.json"
+  timeout -k 10 $((engine + 10)) "$PY" bench/gpu_engine.py --timeout "$engine" --out "$out/gpu-check-engine.json" \
+    --profile-out "$out/gpu-check-engine-profile.json"
   engine_rc=$?
 fi
 echo "gpu-check: trainer exit $trainer_rc, engine exit $engine_rc, $(($(date +%s) - start)) s; results in $out/"

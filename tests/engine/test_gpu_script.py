@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from pat_operator.fit import tiny_shape
 from pat_workers.engine.comm import CommunicatorPool, TorchCommunicator, process_group_options
 from pat_workers.engine.rank import EngineOptions, _device
+from pat_workers.revision import ENGINE_REVISION
+from pat_workers.sim.hardware import measured_profile
 from tests.engine.multiproc import run_ranks
 
 ROOT = Path(__file__).parents[2]
@@ -28,18 +31,20 @@ def run(*args: str, timeout: float, env: dict | None = None) -> subprocess.Compl
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("gpu-engine") / "engine.json"
-    done = run("--smoke", "--out", str(out), timeout=400)
+    folder = tmp_path_factory.mktemp("gpu-engine")
+    out, profile = folder / "engine.json", folder / "profile.json"
+    done = run("--smoke", "--out", str(out), "--profile-out", str(profile), timeout=500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result == json.loads(done.stdout.strip().splitlines()[-1])  # the file is what it printed last
-    return result
+    return result | {"profile_file": json.loads(profile.read_text())}
 
 
 @pytest.mark.slow
 def test_smoke_writes_every_section(smoke):
     assert smoke["smoke"] is True and smoke["failed"] == [] and "error" not in smoke
-    for section in ("bandwidth", "capacity", "model", "decode", "regroup", "compile"):
+    assert smoke["engine"] == ENGINE_REVISION and smoke["commit"]  # what it measured: this engine at this commit
+    for section in ("bandwidth", "capacity", "model", "decode", "profile", "regroup", "compile"):
         assert smoke[section]["status"] == "done", smoke[section]
     capacity = smoke["capacity"]
     assert capacity["sequences_per_gpu"] > 0 and capacity["limited_by"] in ("maxBatch", "memory")
@@ -51,6 +56,19 @@ def test_smoke_writes_every_section(smoke):
         assert {"host_ms", "decode_ms"} <= decode["captured"].keys() and "pass_host" in decode
         assert decode["sdpa_backends"]["MATH"] is True
     assert smoke["compile"]["step_ms"] > 0
+
+
+@pytest.mark.slow
+def test_smoke_writes_an_engine_profile_pat_simulate_reads(smoke):
+    profile = smoke["profile_file"]
+    # The GPU it measured (here none: no preset takes it for an H200's), the engine's revision, the commit
+    assert (profile["engine"], profile["gpu"], profile["dtype"]) == (ENGINE_REVISION, "cpu", "float32")
+    assert profile["commit"] == smoke["commit"]
+    # One rank's shard per TP size the test model's 4 KV heads allow, at both batches
+    assert set(profile["decode"]) == {"1", "2", "4"}
+    assert all(set(row) == {"1", "4"} for row in profile["decode"].values())
+    costs = measured_profile(profile, tiny_shape("test"), "the smoke profile")  # of this revision: accepted
+    assert costs.decode(2, 4)[0] > 0 and costs.prefill_seconds(1, [16]) > 0
 
 
 @pytest.mark.slow

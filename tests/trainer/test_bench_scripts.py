@@ -21,12 +21,13 @@ def run_script(*args: str, timeout: float) -> dict:
 
 def test_gpu_check_smoke_trains_a_step_and_writes_only_where_asked(tmp_path):
     results = ROOT / "bench" / "results"
-    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
+    listing = lambda: {p.name: p.stat().st_mtime_ns for p in results.glob("*")}  # noqa: E731 (none: no folder)
+    before = listing()
     out = tmp_path / "check.json"
     result = run_script("bench/gpu_check.py", "--smoke", "--out", str(out), timeout=120)
     assert json.loads(out.read_text()) == result
-    assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before  # on CPU: nothing in bench/results
-    assert "error" not in result and result["smoke"] is True
+    assert listing() == before  # on CPU: nothing in bench/results
+    assert "error" not in result and result["smoke"] is True and result["commit"]  # the commit it measured
     assert len(result["step_seconds"]) == 3 and result["model_flops"] > 0 and result["mfu"] >= 0
     assert result["estimate_bytes"] > result["estimate_state_bytes"] > 0
     # The states measured are the estimate's: fp32 parameters, gradients and AdamW's two moments (+ its step counts).

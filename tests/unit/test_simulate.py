@@ -1,6 +1,5 @@
 """pat simulate: hand-computed small cases, the real planner inside it, the command and its errors."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -13,10 +12,12 @@ import yaml
 from pat_operator import planner
 from pat_operator.fit import GPU, GPUS, SHAPES, ModelShape
 from pat_workers.cli import main as pat
+from pat_workers.revision import ENGINE_REVISION
 from pat_workers.sim import command
 from pat_workers.sim import simulate as sim
 from pat_workers.sim.report import compare, headline, summary
-from pat_workers.sim.hardware import Efficiency, EngineCosts, Measured, Roofline, SimError, hardware
+from pat_workers.sim.hardware import (ENGINE_PROFILE, Efficiency, EngineCosts, Measured, OtherEngine, Roofline,
+                                      SimError, hardware, shard_profile)
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = 16
@@ -169,7 +170,31 @@ def run_pat(argv, capsys):
     return code, out, err
 
 
-def test_the_command_on_a_job_and_a_preset(tmp_path, capsys):
+def h200_shards() -> dict:
+    """One rank's shard per TP size as make gpu-check times them (seconds; made up, not measured)."""
+    step = lambda tp, batch, context: 0.002 + 0.014 / tp + batch * 2e-5 + batch * context * 6e-8 / tp  # noqa: E731
+    return {"decode": {str(t): {str(c): {str(b): step(t, b, c) for b in (1, 4, 16, 64, 128)} for c in (512, 2048)}
+                       for t in (1, 2, 4, 8)},
+            "prefill": {str(t): {str(n): 0.01 + n * 2e-5 / t for n in (512, 2048)} for t in (1, 2, 4, 8)}}
+
+
+def engine_profile(engine: str | None = ENGINE_REVISION, gpu: str = "H200", model: str = "llama-3.1-8b") -> dict:
+    """A profile as make gpu-check writes it (bench/gpu_engine.py), of made-up shard timings."""
+    profile = shard_profile(h200_shards(), Roofline(GPUS[gpu], SHAPES[model]), "made up for a test")
+    stamp = {"commit": "0123abc", "gpu": gpu, "model": model, "dtype": "bfloat16"}
+    return ({"engine": engine} if engine else {}) | stamp | profile
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch) -> Path:
+    """A repository root for pat simulate's preset, without bench/results/gpu-check-engine-profile.json."""
+    monkeypatch.setattr(command, "ROOT", tmp_path / "repo")
+    (tmp_path / "repo" / ENGINE_PROFILE).parent.mkdir(parents=True)
+    return tmp_path / "repo" / ENGINE_PROFILE
+
+
+def test_the_command_on_a_job_and_a_preset(tmp_path, capsys, checkout):
+    checkout.write_text(json.dumps(engine_profile()))
     code, out, _ = run_pat([str(ROOT / "examples" / "local.yaml"), "--out", str(tmp_path / "job")], capsys)
     assert code == 0, out
     result = json.loads(out.strip().splitlines()[-1])
@@ -182,9 +207,9 @@ def test_the_command_on_a_job_and_a_preset(tmp_path, capsys):
     result = json.loads(out.strip().splitlines()[-1])
     assert result["best_fixed"] in result["policies"] and result["verl_default"] == "fixed TP2"
     assert 0 < result["holdout_error"] < 0.2 and result["hardware"].startswith("GPU model: H200")
-    # ... and the same batch on the engine's measured H200 step costs, beside
+    # ... and the same batch on the engine's measured H200 step costs (make gpu-check's profile), beside
     profile = result["engine_profile"]
-    assert profile["hardware"].startswith("measured: NVIDIA H200") and "holdout_error" not in profile
+    assert profile["hardware"].startswith("measured: made up for a test") and "holdout_error" not in profile
     for costs in (result, profile):
         for key in REDUCTIONS:
             assert isinstance(costs[key], float), key
@@ -216,7 +241,8 @@ def test_no_guard_reaches_the_pods_controller():
 
 
 def test_the_command_takes_a_measured_profile(tmp_path, capsys):
-    profile = {"link_bytes_per_s": 1e9, "link_latency_s": 0.0, "prefill": {t: list(ab) for t, ab in PREFILL.items()},
+    profile = {"engine": ENGINE_REVISION, "commit": "0123abc", "link_bytes_per_s": 1e9, "link_latency_s": 0.0,
+               "prefill": {t: list(ab) for t, ab in PREFILL.items()},
                "decode": {t: row for t, row in TAIL.costs.decode.items()}, "dtype": "float32", "source": "a test"}
     (tmp_path / "cpu.json").write_text(json.dumps(profile))
     code, out, _ = run_pat([str(ROOT / "examples" / "local.yaml"), "--hardware", str(tmp_path / "cpu.json"),
@@ -263,19 +289,65 @@ def test_lengths_from_a_file_or_an_earlier_run(tmp_path, capsys):
         assert code == 0 and result["responses"] == 2 and result["mean_response_tokens"] == 160
 
 
-def test_the_h200_engine_profile_is_its_measured_shards_plus_modelled_all_reduces():
-    spec = importlib.util.spec_from_file_location("shard_profile", ROOT / "bench" / "shard_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    results = ROOT / "bench" / "results"
-    shards = json.loads((results / "h200-llama8b-shards.json").read_text())
-    roofline = Roofline(GPUS["H200"], SHAPES["llama-3.1-8b"])
-    assert module.engine_profile(shards, roofline) == json.loads((results / "h200-llama8b-engine.json").read_text()), \
-        "bench/results/h200-llama8b-engine.json is stale: run python bench/shard_profile.py"
-    costs = hardware(str(results / "h200-llama8b-engine.json"), SHAPES["llama-3.1-8b"], Efficiency())
+def test_an_engine_profile_is_its_measured_shards_plus_modelled_all_reduces():
+    shards, roofline = h200_shards(), Roofline(GPUS["H200"], SHAPES["llama-3.1-8b"])
+    costs = Measured(EngineCosts.from_json(engine_profile(), "test"), SHAPES["llama-3.1-8b"].kv_bytes_per_token())
     step = lambda tp, batch, context: costs.decode(tp, batch)[0] + costs.decode(tp, batch)[1] * batch * context  # noqa: E731
     # Both measured contexts come back at the largest batch, the all-reduces of its tokens added; TP=1 has none.
     for tp, context in ((1, 512), (1, 2048), (8, 512), (8, 2048)):
-        measured = shards["decode"][str(tp)][str(context)]["256"]
-        assert step(tp, 256, context) == pytest.approx(measured + roofline.allreduce_seconds(tp, 256))
-    assert roofline.allreduce_seconds(1, 256) == 0 < roofline.allreduce_seconds(8, 1)
+        measured = shards["decode"][str(tp)][str(context)]["128"]
+        assert step(tp, 128, context) == pytest.approx(measured + roofline.allreduce_seconds(tp, 128))
+    assert roofline.allreduce_seconds(1, 128) == 0 < roofline.allreduce_seconds(8, 1)
+    assert costs.prefill_seconds(2, [512]) == pytest.approx(0.01 + 512 * 1e-5 + roofline.allreduce_seconds(2, 512))
+
+
+@pytest.mark.parametrize("engine,measured", [("contiguous-0", "engine revision 'contiguous-0' at commit 0123abc"),
+                                             (None, 'no "engine" field')])
+def test_a_profile_of_another_engine_is_refused(tmp_path, capsys, engine, measured):
+    """--hardware FILE of another engine revision (or of none: files from before results named one) is refused,
+    naming the file, what it measured, the current revision and how to measure it; the current revision's is read."""
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(engine_profile(engine)))
+    with pytest.raises(OtherEngine) as refused:
+        hardware(str(path), SHAPES["llama-3.1-8b"], Efficiency())
+    message = str(refused.value)
+    assert message.startswith(f"--hardware {path} measured ") and measured in message
+    assert f"not the current engine ({ENGINE_REVISION!r}): there is no profile of the current engine in it" in message
+    assert f"`make gpu-check` on a GPU writes {ENGINE_PROFILE}" in message
+    code, _, err = run_pat(["--preset", "paper-llama8b", "--hardware", str(path)], capsys)
+    assert code == 2 and message in err
+    path.write_text(json.dumps(engine_profile(ENGINE_REVISION)))
+    assert hardware(str(path), SHAPES["llama-3.1-8b"], Efficiency()).description.startswith("measured: made up")
+
+
+def test_the_preset_says_when_it_has_no_profile_of_the_current_engine(checkout):
+    """paper-llama8b runs beside make gpu-check's profile of the current engine on an H200, and otherwise says why
+    not, naming the file and make gpu-check: absent, of another engine revision, of another GPU."""
+    preset, shape = command.PRESETS["paper-llama8b"], SHAPES["llama-3.1-8b"]
+    costs, why = command._engine_profile(preset, shape)
+    assert costs is None and why == (f"no profile of the current engine on an H200: {ENGINE_PROFILE} is absent; "
+                                     f"`make gpu-check` on an H200 writes it (docs/benchmarks.md). Simulated on the "
+                                     f"GPU model alone.")
+    checkout.write_text(json.dumps(engine_profile("contiguous-0")))
+    costs, why = command._engine_profile(preset, shape)
+    assert costs is None and why.startswith(f"{ENGINE_PROFILE} measured engine revision 'contiguous-0' at commit "
+                                            f"0123abc, not the current engine ({ENGINE_REVISION!r})")
+    assert "`make gpu-check` on a GPU writes" in why
+    checkout.write_text(json.dumps(engine_profile(gpu="H100-SXM")))
+    costs, why = command._engine_profile(preset, shape)
+    assert costs is None and "measured llama-3.1-8b on H100-SXM, not this preset's llama-3.1-8b on H200" in why
+    checkout.write_text(json.dumps(engine_profile()))
+    costs, why = command._engine_profile(preset, shape)
+    assert why is None and isinstance(costs, Measured) and sorted(costs.costs.decode) == [1, 2, 4, 8]
+    checkout.write_text("{")
+    with pytest.raises(SimError, match=f"{ENGINE_PROFILE}: .*`make gpu-check`"):
+        command._engine_profile(preset, shape)
+
+
+def test_no_results_of_the_replaced_engine_are_left():
+    """Every results file names the commit it measured, and every engine profile this engine's revision."""
+    for path in (ROOT / "bench" / "results").glob("*.json"):
+        d = json.loads(path.read_text())
+        assert "commit" in d, path
+        if "decode" in d:
+            hardware(str(path), SHAPES["llama-3.1-8b"], Efficiency())  # OtherEngine if not of this revision

@@ -1,7 +1,9 @@
 """`pat simulate JOB.yaml` or `pat simulate --preset NAME`: should adaptive TP be on for this job, and what does it
 buy? Simulates one rollout batch of one generator pod under every policy; prints a table, writes PNG plots into
 --out and, last, one JSON object. Every figure is simulated. A GPU's step costs come from the GPU model fitted to
-published measurements (docs/cost-model.md); paper-llama8b also runs on this engine's own H200 step costs.
+published measurements (docs/cost-model.md); paper-llama8b also runs on this engine's own H200 step costs when
+`make gpu-check` has measured the current engine on an H200 (bench/results/gpu-check-engine-profile.json), and says
+so when it has not.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pat_operator.api import RLHFJob, load_job
 from pat_operator.fit import GPU_PRODUCT_LABEL, GPUS, SHAPES, ModelShape, read_shape, selected_gpu, tiny_shape
 
 from .calibration import fitted
-from .hardware import Efficiency, Roofline, SimError, StepCosts, hardware, read_hardware
+from .hardware import (ENGINE_PROFILE, HOW_TO_MEASURE, Efficiency, OtherEngine, Roofline, SimError, StepCosts,
+                       hardware, measured_profile)
 from .lengths import deepscaler_lengths, read_lengths
 from .report import Trainer, compare, headline, plots, summary, table
 from .simulate import Scenario
@@ -35,7 +38,7 @@ class Preset:
     model: str
     cap: int
     verl_tp: int  # verl's rollout TP for this model size in its examples (the paper's baseline, "original verl")
-    engine_profile: str | None = None  # this engine's measured step costs on the preset's GPU (bench/shard_profile.py)
+    engine_profile: str | None = None  # this engine's measured step costs on the preset's GPU (make gpu-check)
     gpu: str = "H200"
     world: int = 8
     prompts: int = 128
@@ -55,10 +58,11 @@ class Setup:
     about: dict[str, Any]  # for the JSON: what was simulated
     verl_tp: int | None  # the fixed layout verl's default is (None: not one of this pod's TP sizes)
     engine_profile: StepCosts | None = None  # the same batch on this engine's measured step costs, beside
+    no_engine_profile: str | None = None  # why a preset that names such costs runs without them
 
 
 PRESETS = {"paper-llama8b": Preset("llama-3.1-8b", 8192, verl_tp=2,
-                                   engine_profile="bench/results/h200-llama8b-engine.json"),
+                                   engine_profile=ENGINE_PROFILE),
            "paper-qwen14b": Preset("qwen3-14b", 16384, verl_tp=4)}
 TRAINER_GPUS = 8  # a preset's trainer: one pod of 8 GPUs of the generator's type
 
@@ -70,8 +74,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", help=f"instead of a job: one of {', '.join(PRESETS)}")
     ap.add_argument("--hardware", help=f"a GPU ({', '.join(GPUS)}; default: the job's {GPU_PRODUCT_LABEL} node "
                                        f"selector, else H200), costed by the fitted GPU model, or a JSON profile: one "
-                                       f"the engine measured (Costs.to_json, e.g. bench/sim_vs_real.py "
-                                       f"--save-profile) or a GPU's numbers")
+                                       f"the current engine measured (Costs.to_json with its revision, e.g. "
+                                       f"bench/sim_vs_real.py --save-profile or make gpu-check's {ENGINE_PROFILE}) "
+                                       f"or a GPU's numbers")
     ap.add_argument("--model", help=f"a built-in model shape ({', '.join(SHAPES)}) instead of the job's model")
     ap.add_argument("--model-config", type=Path, help="a Hugging Face config.json for the model's shape")
     ap.add_argument("--lengths", type=Path, help="response lengths: a JSON list, or a `pat run` folder (its "
@@ -114,6 +119,8 @@ def main(argv: list[str]) -> int:
           f"{sum(lengths) / len(lengths):.0f} / max {max(lengths)} (cap {scenario.max_tokens}), prompts "
           f"{scenario.prompt_tokens} tokens; KV capacity per TP=1 group {costs.kv_capacity(1):.0f} tokens")
     print(f"training: {train_seconds:.2f} s, {trainer.describe()}\n", flush=True)
+    if setup.no_engine_profile:
+        print(f"{setup.no_engine_profile}\n", flush=True)
     out = args.out or Path("runs") / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
     gpu_modelled = isinstance(costs, Roofline) and costs.efficiency == calibration.gpu_model
     about = setup.about | {"model": shape.name, "trainer": trainer.describe(),
@@ -123,6 +130,8 @@ def main(argv: list[str]) -> int:
     if setup.engine_profile is not None:
         print(f"\nthe same batch on this engine's measured step costs: {setup.engine_profile.description}")
         result["engine_profile"] = _compare(setup, setup.engine_profile, train_seconds, {}, out / "engine-profile")
+    elif setup.no_engine_profile:
+        result |= {"engine_profile": None, "no_engine_profile": setup.no_engine_profile}
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     print(f"\nplots and summary.json in {out}")
     print(json.dumps(result))
@@ -150,9 +159,8 @@ def _from_preset(args: argparse.Namespace, gpu_model: Efficiency) -> Setup:
     shape = given_shape or SHAPES[preset.model]
     costs = hardware(args.hardware or preset.gpu, shape, gpu_model)
     # Measured for the preset's model on its GPU: beside the GPU model unless either is changed
-    profile = ROOT / preset.engine_profile if preset.engine_profile else None
-    engine_profile = (read_hardware(profile, shape, gpu_model) if profile and profile.is_file()
-                      and args.hardware is None and given_shape is None else None)
+    engine_profile, no_engine_profile = (_engine_profile(preset, shape) if preset.engine_profile and
+                                         args.hardware is None and given_shape is None else (None, None))
     cap = args.cap or preset.cap
     n = preset.prompts * preset.samples
     lengths, prior = _lengths(args, n, cap)
@@ -161,7 +169,31 @@ def _from_preset(args: argparse.Namespace, gpu_model: Efficiency) -> Setup:
                         plan_seconds=args.plan_seconds)
     about = {"preset": args.preset, "rollout_batch": f"{preset.prompts} prompts x {preset.samples} samples",
              "generator_pods": 1}
-    return Setup(scenario, shape, costs, TRAINER_GPUS, "planner (pod)", about, preset.verl_tp, engine_profile)
+    return Setup(scenario, shape, costs, TRAINER_GPUS, "planner (pod)", about, preset.verl_tp, engine_profile,
+                 no_engine_profile)
+
+
+def _engine_profile(preset: Preset, shape: ModelShape) -> tuple[StepCosts | None, str | None]:
+    """The preset's measured engine profile, or why there is none: absent, of another engine revision (OtherEngine),
+    or of another GPU or model."""
+    path = ROOT / preset.engine_profile
+    name = f"{preset.engine_profile}"
+    if not path.is_file():
+        return None, (f"no profile of the current engine on an {preset.gpu}: {name} is absent; `make gpu-check` on an "
+                      f"{preset.gpu} writes it (docs/benchmarks.md). Simulated on the GPU model alone.")
+    try:
+        d = json.loads(path.read_text())
+        if not isinstance(d, dict):
+            raise ValueError("not a JSON object")
+        if (d.get("gpu"), d.get("model")) != (preset.gpu, preset.model):
+            return None, (f"{name} measured {d.get('model')} on {d.get('gpu')}, not this preset's {preset.model} on "
+                          f"{preset.gpu}: not used (--hardware {name} simulates on it). Simulated on the GPU model "
+                          f"alone.")
+        return measured_profile(d, shape, name), None
+    except OtherEngine as e:
+        return None, f"{e}. Simulated on the GPU model alone."
+    except ValueError as e:  # SimError included
+        raise SimError(f"{name}: {e}; {HOW_TO_MEASURE} again") from None
 
 
 def _from_job(args: argparse.Namespace, gpu_model: Efficiency) -> Setup:

@@ -6,8 +6,9 @@
   Efficiency is assumed (the plain datasheet roofline); calibration.fitted() fits one to published measurements
   (docs/cost-model.md), which is what `pat simulate` uses for a GPU.
 - Measured: the engine's own profiling pass (pat_workers.engine.costs.Costs, saved by Costs.to_json), e.g. of
-  this machine's CPU: decode steps through planner.Profile (the table over batch sizes and the KV term), prefill
-  a + b * tokens.
+  this machine's CPU, or one GPU's shard timings (shard_profile, written by `make gpu-check`): decode steps through
+  planner.Profile (the table over batch sizes and the KV term), prefill a + b * tokens. Only a profile of this
+  engine's revision (pat_workers.revision.ENGINE_REVISION in its "engine" field) is read: check_engine.
 
 Both also say what the engine's profiling pass would measure (engine_costs, the Costs JSON format), which is
 what the planner is given, exactly as a pod gives it its measurement.
@@ -24,14 +25,38 @@ from typing import Any, Protocol
 
 from pat_operator.fit import GPU, GPUS, ModelShape
 from pat_operator.planner import Profile
+from pat_workers.revision import ENGINE_REVISION
 
 BF16 = 2  # bytes per weight and per KV element
 PREFILL_LENGTHS = (16, 128)  # as the engine's profiling pass (engine/costs.py) measures prefill
 PROFILE_CONTEXT = 64  # ... and decode steps, at this context per sequence (its DECODE_CONTEXT)
+# This engine's profile on one GPU, relative to the repository: `make gpu-check` (bench/gpu_engine.py) writes it.
+ENGINE_PROFILE = "bench/results/gpu-check-engine-profile.json"
+HOW_TO_MEASURE = (f"`make gpu-check` on a GPU writes {ENGINE_PROFILE} (docs/benchmarks.md); `python "
+                  f"bench/sim_vs_real.py --save-profile FILE` measures this machine's CPU")
 
 
 class SimError(ValueError):
     """Bad simulator input: the message names the field or flag and the fix."""
+
+
+class OtherEngine(SimError):
+    """An engine profile measured another revision of the engine than this one."""
+
+
+def check_engine(d: dict[str, Any], where: str) -> None:
+    """OtherEngine unless the profile `d` (read from `where`) measured this engine's revision."""
+    measured = d.get("engine")
+    if measured == ENGINE_REVISION:
+        return
+    what = (f"engine revision {measured!r}" if measured else
+            "an engine of no named revision (no \"engine\" field: measured before results named one)")
+    raise OtherEngine(f"{where} measured {what}{_commit(d)}, not the current engine ({ENGINE_REVISION!r}): there is "
+                      f"no profile of the current engine in it. {HOW_TO_MEASURE[0].upper()}{HOW_TO_MEASURE[1:]}")
+
+
+def _commit(d: dict[str, Any]) -> str:
+    return f" at commit {d['commit']}" if d.get("commit") else ""
 
 
 @dataclass(frozen=True)
@@ -239,21 +264,52 @@ def step_seconds(costs: StepCosts, tp: int, batch: int, context: float) -> float
 
 
 def read_hardware(path: Path, shape: ModelShape, gpu_model: Efficiency) -> StepCosts:
-    """--hardware FILE.json: an engine cost profile (Costs.to_json: a measured CPU, say) or a GPU's numbers (the
-    fields of GPU, name and source included), costed with `gpu_model`."""
+    """--hardware FILE.json: an engine cost profile of this engine's revision (Costs.to_json with "engine": a
+    measured CPU, say) or a GPU's numbers (the fields of GPU, name and source included), costed with `gpu_model`."""
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise SimError(f"--hardware {path}: {e}; give a JSON file (Costs.to_json, or a GPU: "
                        f"{list(GPU.__annotations__)})") from None
     if isinstance(d, dict) and "decode" in d:
-        element_size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(d.get("dtype", "bfloat16"), 2)
-        return Measured(EngineCosts.from_json(d, f"--hardware {path}"), shape.kv_bytes_per_token(element_size))
+        return measured_profile(d, shape, f"--hardware {path}")
     try:
         return Roofline(GPU(**d), shape, gpu_model)
     except TypeError as e:
         raise SimError(f"--hardware {path}: {e}; a GPU profile has the fields {list(GPU.__annotations__)}, an engine "
                        f"profile link_bytes_per_s, link_latency_s, prefill and decode") from None
+
+
+def measured_profile(d: dict[str, Any], shape: ModelShape, where: str) -> Measured:
+    """An engine profile's JSON (from `where`) as step costs: OtherEngine unless it measured this engine."""
+    check_engine(d, where)
+    element_size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(d.get("dtype", "bfloat16"), 2)
+    return Measured(EngineCosts.from_json(d, where), shape.kv_bytes_per_token(element_size))
+
+
+def shard_profile(shards: dict[str, Any], roofline: Roofline, source: str) -> dict[str, Any]:
+    """An engine profile (the Costs.to_json fields) from one GPU's timings of one rank's shard per TP size (shards:
+    "decode" {tp: {context: {batch: seconds}}}, "prefill" {tp: {tokens: seconds}}, keys as JSON strings): each TP=t
+    step is the measured step of its shard plus the group's all-reduces, which need t GPUs and are modelled
+    (roofline.allreduce_seconds). The decode table at the shortest measured context, seconds per KV token from the
+    longest (at the largest batch), prefill as a + b * tokens through the two shortest measured lengths."""
+    decode, kv_seconds, prefill = {}, {}, {}
+    contexts = sorted(shards["decode"][min(shards["decode"], key=int)], key=int)
+    lo, hi = contexts[0], contexts[-1]
+    for tp, by_context in shards["decode"].items():
+        t = int(tp)
+        decode[tp] = {b: s + roofline.allreduce_seconds(t, int(b)) for b, s in by_context[lo].items()}
+        largest = max(by_context[lo], key=int)
+        kv_seconds[tp] = (max(by_context[hi][largest] - by_context[lo][largest], 0.0)
+                          / (int(largest) * max(int(hi) - int(lo), 1)))
+        (n0, s0), (n1, s1) = sorted((int(n), s + roofline.allreduce_seconds(t, int(n)))
+                                    for n, s in shards["prefill"][tp].items())[:2]
+        per_token = (s1 - s0) / (n1 - n0)
+        prefill[tp] = [max(s0 - per_token * n0, 0.0), per_token]
+    gpu = roofline.gpu
+    return {"source": source, "link_bytes_per_s": gpu.link_bytes_per_s * roofline.efficiency.link,
+            "link_latency_s": gpu.link_latency_s, "prefill": prefill, "decode": decode, "decode_context": int(lo),
+            "kv_seconds": kv_seconds}
 
 
 def hardware(name_or_path: str, shape: ModelShape, gpu_model: Efficiency) -> StepCosts:
