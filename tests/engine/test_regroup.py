@@ -7,8 +7,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client import generate_latest
 
 from pat_operator.layout import LayoutError, groups
+from pat_workers.engine.config import ModelConfig
+from pat_workers.engine.engine import Request
 from pat_workers.engine.generator import LocalGenerator
+from pat_workers.engine.kv import PagedKV
 from pat_workers.engine.metrics import group_label
+from pat_workers.engine.sampling import SamplingParams
 from pat_workers.engine.tiny import make_tiny_model
 
 from .conftest import OPTIONS, fresh, make_requests, mismatches
@@ -86,6 +90,90 @@ def test_auto_mode_and_metrics(gen4, reference):
     # auto: the measured costs chose a mode per request
     modes = {m for r in result.regroups[0].reports for m, n in r.modes.items() if n}
     assert modes <= {"kv", "recompute"} and modes
+
+
+def grouped_requests(distinct: bool = False) -> list[Request]:
+    """4 prompts x 4 samples (GRPO's G), sample 0 greedy and the others seeded; requests alternate between two TP=1
+    replicas, so each holds 2 samples of every prompt. distinct: every sample gets a prompt of its own, as long."""
+    out = []
+    for p, length in enumerate((40, 70, 25, 90)):
+        for s in range(4):
+            prompt = [256] + [(37 * p + 11 * j + (5 * s if distinct else 0)) % 250 for j in range(length - 1)]
+            params = SamplingParams(max_tokens=40, ignore_eos=True, seed=10 * p + s, temperature=0.9 if s else 0.0,
+                                    top_p=0.95)
+            out.append(Request(f"p{p}-s{s}", prompt, params))
+    return out
+
+
+@pytest.fixture(scope="module")
+def grouped_reference(model_dir):
+    with LocalGenerator(model_dir, 1, OPTIONS) as gen:
+        return gen.run(fresh(grouped_requests())).completions
+
+
+@pytest.fixture(scope="module")
+def gen2(model_dir):
+    with LocalGenerator(model_dir, 2, OPTIONS) as gen:
+        yield gen
+
+
+def block_bytes(cfg) -> int:
+    """Of a KV block on 2 ranks (float32): the largest TP is 2, so a block holds half the KV heads."""
+    return PagedKV.block_bytes(cfg, OPTIONS.block_size, cfg.num_kv_heads // 2, 4)
+
+
+def blocks_held(result, group, requests, shared: bool) -> int:
+    """By hand: the blocks (of one head group) that `group`'s requests held when it regrouped, from its last step.
+    After a step a running request has cached all its tokens but the last; samples of a prompt admitted together
+    share the prompt's full blocks (the partial one was copied on the first write); the rest is each its own."""
+    prompt = {r.id: r.prompt for r in requests}
+    bs = OPTIONS.block_size
+    running = [s for s in result.steps if s.group == group][-1].running
+    own = sum(-(-(len(prompt[rid]) + generated - 1) // bs) - len(prompt[rid]) // bs for rid, generated in running)
+    full = {rid: len(prompt[rid]) // bs for rid, _ in running}
+    if shared:
+        full = {tuple(prompt[rid]): n for rid, n in full.items()}
+    return own + sum(full.values())
+
+
+def test_shared_prompts_move_once(gen2, grouped_reference):
+    """A 1->2 merge of 4 prompts x 4 samples: a block the samples of a prompt share crosses once, and they share it
+    again on the receiving rank: the bytes sent and the free blocks afterwards are the hand counts with sharing,
+    and differ from the counts without it, which the same requests with distinct prompts meet instead."""
+    block = block_bytes(gen2.config)
+    for distinct in (False, True):
+        requests = grouped_requests(distinct)
+        result = run_with_regroup(gen2, (1, 1), (2,), "mid-way", "kv", requests)
+        (report,) = result.regroups[0].reports  # the TP=2 group's leader, rank 0
+        assert report.outcome == "applied" and report.modes == {"kv": 16, "recompute": 0}, report
+        held = {g: blocks_held(result, g, requests, shared=True) for g in ((0,), (1,))}
+        unshared = {g: blocks_held(result, g, requests, shared=False) for g in ((0,), (1,))}
+        # Rank 0 keeps the first half of the heads of its requests and sends the second half to rank 1.
+        assert report.kv_bytes == held[(0,)] * block
+        assert report.kv_free_blocks == report.kv_pool_bytes // block - 1 - held[(0,)] - held[(1,)]
+        if distinct:
+            assert held == unshared
+        else:  # the control: had each sample moved its own copy, the counts would be these
+            assert held[(0,)] < unshared[(0,)] and report.kv_bytes != unshared[(0,)] * block
+            assert mismatches(grouped_reference, result.completions) == []
+        assert gen2.metrics.kv_usage.labels(group_label((0, 1)))._value.get() == 0  # every block came back
+
+
+@pytest.mark.parametrize("failpoint", [None, "regroup.overcommit"])
+def test_small_pool_recomputes_what_does_not_fit(model_dir, grouped_reference, failpoint):
+    """A TP=2 group splits into two TP=1 replicas after filling a small pool: each TP=1 replica needs every head of its share and
+    its own copy of each prompt, more than its pool holds. The plan migrates what fits and recomputes the rest;
+    with its count skipped (failpoint regroup.overcommit) the move runs out of blocks (KVFull) and recomputes the
+    requests that found none. Either way every request completes with the single process's tokens."""
+    options = dataclasses.replace(OPTIONS, kv_cache_bytes=49 * block_bytes(ModelConfig.from_dir(model_dir)))
+    env = {"PAT_FAILPOINTS": f"{failpoint}@0,{failpoint}@1"} if failpoint else None
+    with LocalGenerator(model_dir, 2, options, env=env) as gen:
+        result = run_with_regroup(gen, (2,), (1, 1), "mid-way", "kv", grouped_requests())
+        reports = result.regroups[0].reports
+        assert {r.outcome for r in reports} == {"applied"}, reports
+        assert sum(r.modes["recompute"] for r in reports) > 0 < sum(r.modes["kv"] for r in reports), reports
+        assert mismatches(grouped_reference, result.completions) == []
+        assert [gen.metrics.kv_usage.labels(group_label(g))._value.get() for g in ((0,), (1,))] == [0, 0]
 
 
 def test_gloo_fallback_backend(model_dir, reference):
