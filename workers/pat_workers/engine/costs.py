@@ -84,6 +84,11 @@ def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], bat
     width = -(-max(PREFILL_LENGTHS[-1], long_context + 1) // bs)
     samples: list[float] = []
     for tp in tp_sizes:
+        if tp > 1 and tp == tp_sizes[1]:
+            # The TP=1 steps compiled the attention kernel, at each rank's own pace (seconds, more on a loaded host);
+            # meet on the world group, whose timeout is the start-up's, before the first collective of a TP group
+            # (comm_timeout) waits on a rank still compiling.
+            dist.barrier()
         block = next(b for b in pool.blocks(tp) if rank in b)
         comm, shard = pool.get(block), model.shard(tp, block.index(rank))
         groups = max_tp // tp

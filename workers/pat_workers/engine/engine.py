@@ -126,6 +126,23 @@ class Engine:
         """Fraction of the KV blocks in use (scratch not counted)."""
         return 1 - self.kv.free_blocks / (self.kv.num_blocks - 1)
 
+    def release_memory(self) -> None:
+        """Gives back the device memory the engine holds beside the weights, between batches: the KV pool, and the
+        captured graphs with their memory pool (they read the pool's address, so they are captured again after
+        `acquire_memory`). On GPUs the caching allocator returns the freed blocks to the device."""
+        if self.has_work():
+            raise RuntimeError(f"{len(self.running) + len(self.waiting)} request(s) are in the engine: release its "
+                               f"memory between batches")
+        self.kv.release_memory()
+        self._graphs.clear()
+        self._graph_pool = None
+        if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def acquire_memory(self) -> None:
+        """Takes the KV pool back before the next batch (every block free)."""
+        self.kv.acquire_memory()
+
     def blocks_for(self, tokens: int) -> int:
         """Blocks a request of `tokens` cached tokens holds on this rank."""
         return -(-tokens // self.kv.block_size) * self.head_groups

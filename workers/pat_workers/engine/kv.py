@@ -12,6 +12,8 @@ unmasked. The pool is zeroed at start, since masked positions still enter the at
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import ModelConfig
@@ -28,9 +30,30 @@ class PagedKV:
             raise ValueError(f"a paged KV cache needs 2 or more blocks (one is scratch), got {num_blocks}")
         self.block_size, self.heads_per_block = block_size, heads_per_block
         # Head-major, so that a layer's keys are one [heads, slots, head_dim] tensor that attention reads in place.
-        self.data = torch.zeros(cfg.num_layers, 2, heads_per_block, num_blocks, block_size, cfg.head_dim,
-                                dtype=dtype, device=device)
+        self.shape = (cfg.num_layers, 2, heads_per_block, num_blocks, block_size, cfg.head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.data = torch.empty(0)
+        self.acquire_memory()
+
+    @property
+    def memory_held(self) -> bool:
+        """Whether the pool's memory is allocated (see release_memory)."""
+        return self.data.numel() > 0
+
+    def acquire_memory(self) -> None:
+        """Allocates the pool (zeroed: masked positions still enter attention products, and 0 x NaN = NaN), every
+        block free."""
+        if not self.memory_held:
+            self.data = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         self.reset()
+
+    def release_memory(self) -> None:
+        """Gives the pool's memory back (between batches, so that another role can use the device): the caller holds
+        no request in it. `acquire_memory` takes it again."""
+        if any(self.refs[1:]):
+            raise RuntimeError(f"{sum(r > 0 for r in self.refs[1:])} KV block(s) are in use: release the pool "
+                               f"between batches")
+        self.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, heads_per_block: int, element_size: int) -> int:
@@ -38,11 +61,12 @@ class PagedKV:
 
     @property
     def num_blocks(self) -> int:
-        return self.data.shape[3]
+        return self.shape[3]
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        """The pool's bytes when held."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def free_blocks(self) -> int:
@@ -84,7 +108,7 @@ class PagedKV:
         return self.data[:, :, :, ids].reshape(-1)
 
     def scatter(self, ids: list[int], flat: torch.Tensor) -> None:
-        self.data[:, :, :, ids] = flat.view(*self.data.shape[:3], len(ids), *self.data.shape[4:])
+        self.data[:, :, :, ids] = flat.view(*self.shape[:3], len(ids), *self.shape[4:])
 
     def tables_for(self, batch: int, tokens: int, groups: int) -> torch.Tensor:
         """Allocates `batch` sequences of `tokens` tokens and `groups` head groups: their tables [B, g, blocks]
