@@ -26,7 +26,7 @@ from pat_workers.engine.comm import SoloCommunicator
 from pat_workers.engine.engine import Engine, Request
 from pat_workers.engine.kv import PagedKV
 from pat_workers.engine.loader import load_model
-from pat_workers.engine.model import Transformer
+from pat_workers.engine.model import Transformer, decode_mask
 from pat_workers.engine.sampling import SamplingParams, sample
 from pat_workers.engine.tiny import PRESETS, make_tiny_model
 from pat_workers.sim.lengths import lognormal_lengths
@@ -34,6 +34,7 @@ from pat_workers.sim.lengths import lognormal_lengths
 PROMPT_TOKENS = 16  # bench/tail.py's
 SAMPLING_BATCH, SAMPLING_VOCAB = 64, 32768
 MIXED, UNIFORM = [4096] + [64] * 15, [316] * 16  # the same 5,056 KV tokens
+HOST_ROWS = (1, 32, 128)
 
 
 class OneRankPool:
@@ -130,6 +131,18 @@ def step_seconds(model: Transformer, batches: list[tuple[list[int], int]], block
     return fastest(*(e.step for e in engines), repeats=repeats)
 
 
+def host_seconds(model: Transformer, contexts: list[int], block_size: int, max_seq: int, repeats: int) -> float:
+    """A decode step's host part: its inputs (tokens, positions, block tables, sampling parameters) and the attention's
+    block mask, built from the engine's request lists (the forward and sampling excluded)."""
+    engine = decode_engine(model, contexts, block_size, max_seq, len(contexts), temperature=1.0)
+    bs = engine.kv.block_size
+
+    def build():
+        tokens, positions, tables, *_ = engine.decode_inputs(engine.running)
+        decode_mask(tables.flatten(0, 1), positions.repeat_interleave(tables.shape[1]), engine.kv.num_blocks, bs)
+    return fastest(build, repeats=repeats)[0]
+
+
 def sampling_share(model: Transformer, contexts: list[int], block_size: int, max_seq: int, repeats: int,
                    **params) -> tuple[float, float]:
     """(decode step seconds, sample seconds): forward + sampling on the device vs sampling alone, same inputs."""
@@ -191,6 +204,8 @@ def main() -> int:
                                           args.block_size, max_seq, args.repeats)
     tps_slots, tps_paged = slots / step_slots, paged / step_paged
 
+    host = {n: host_seconds(model, [316] * n, args.block_size, max_seq=512, repeats=args.repeats)
+            for n in HOST_ROWS}
     mixed, uniform = step_seconds(model, [(MIXED, len(MIXED)), (UNIFORM, len(UNIFORM))], args.block_size,
                                   max(MIXED) + args.repeats + 3, args.repeats)
 
@@ -213,6 +228,8 @@ def main() -> int:
     print(f"  {'':22s} {'batch':>7s} {'step ms':>8s} {'tokens/s':>9s}")
     print(f"  {'maxSeq slots':22s} {slots:7d} {1e3 * step_slots:8.1f} {tps_slots:9.1f}")
     print(f"  {'paged (mean batch)':22s} {paged:7d} {1e3 * step_paged:8.1f} {tps_paged:9.1f}")
+    print("\nhost time of a decode step (inputs and block mask, 316 tokens per row): " + ", ".join(
+        f"{n} rows {1e3 * host[n]:.2f} ms" for n in HOST_ROWS))
     print(f"\none long row among short ones, {args.preset} model, whole engine steps (fastest of {args.repeats})")
     print(f"  {'contexts [4096, 64 x 15]':26s} {1e3 * mixed:8.1f} ms")
     print(f"  {'contexts [316 x 16]':26s} {1e3 * uniform:8.1f} ms   mixed / uniform {mixed / uniform:.2f} "
@@ -233,6 +250,7 @@ def main() -> int:
         "step_ms_slots": round(1e3 * step_slots, 2), "step_ms_paged": round(1e3 * step_paged, 2),
         "mixed_over_uniform_step": round(mixed / uniform, 3), "step_ms_mixed": round(1e3 * mixed, 2),
         "step_ms_uniform": round(1e3 * uniform, 2),
+        **{f"host_ms_{n}_rows": round(1e3 * host[n], 3) for n in HOST_ROWS},
         "sampling_share": round(sample_t / step_t, 4), "sampling_share_top_p": round(sample_p / step_p, 4),
         "budget_bytes": budget, "block_size": args.block_size, "max_seq": max_seq, "preset": args.preset,
         "requests": len(lengths), "cap": args.cap, "sampling_batch": SAMPLING_BATCH,
