@@ -126,19 +126,14 @@ def test_samples_of_one_prompt_share_its_prefill_and_blocks(model):
 
 def test_decode_step_compiles_as_one_graph_and_equals_eager(model):
     """The decode step (forward over the block tables + sampling) has no graph break and no host sync:
-    torch.compile(fullgraph=True) takes it whole, and its tokens and log-probabilities equal eager mode's."""
-    import torch
-
-    engine = Engine(model, OneRankPool(), max_batch=8, max_seq=192)
-    engine.add(fresh(make_requests(6)))
-    for _ in range(3):
-        engine.step()
-    rows = list(engine.running)
-    inputs = engine.decode_inputs(rows)
-    eager = engine._decode(*inputs)
-    compiled = torch.compile(engine._decode, fullgraph=True)(*inputs)
-    assert torch.equal(eager[0], compiled[0])
-    assert torch.allclose(eager[1], compiled[1], atol=1e-4)
+    torch.compile(fullgraph=True) takes it whole (compile_step), and a whole run gives eager mode's tokens and
+    log-probabilities as the batch shrinks."""
+    requests = make_requests(6)
+    eager = drain(Engine(model, OneRankPool(), max_batch=8, max_seq=192), {0: fresh(requests)})[0]
+    compiled_engine = Engine(model, OneRankPool(), max_batch=8, max_seq=192, compile_step=True)
+    compiled = drain(compiled_engine, {0: fresh(requests)})[0]
+    assert compiled_engine.decode_fn is not compiled_engine._decode
+    assert mismatches(eager, compiled) == []
 
 
 def test_kv_budget_is_checked_before_memory_is_taken(model, model_dir):

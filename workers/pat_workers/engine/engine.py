@@ -67,7 +67,8 @@ class StepStats:
 
 class Engine:
     def __init__(self, model: Transformer, pool: CommunicatorPool, *, max_batch: int, max_seq: int,
-                 kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = True):
+                 kv_blocks: int | None = None, block_size: int = 16, cuda_graphs: bool = True,
+                 compile_step: bool = False):
         self.model, self.pool, self.rank = model, pool, pool.rank
         self.max_batch, self.max_seq = max_batch, max_seq
         self.eos_ids = frozenset(model.cfg.eos_token_ids)
@@ -91,7 +92,10 @@ class Engine:
         self._cuda_graphs = cuda_graphs and model.device.type == "cuda"
         # Graphs need a few fixed shapes: batches and tables padded to power-of-two buckets. Eager steps run as is.
         self.static_shapes = self._cuda_graphs
-        self.decode_fn = self._decode  # the step's device part when not captured (torch.compile can wrap it)
+        # The step's device part, run as is or captured. compile_step: through torch.compile (one graph: inductor fuses
+        # the elementwise work around the GEMMs; the KV write and the attention are ops of their own). Not frozen: a
+        # weight sync writes the weights in place, and frozen (prepacked) weights would be stale copies.
+        self.decode_fn = torch.compile(self._decode, fullgraph=True) if compile_step else self._decode
         self.join((self.rank,))
 
     # -- the group ---------------------------------------------------------------------------------------
@@ -346,7 +350,7 @@ class Engine:
 
             def step():
                 t, pos, tab, *sampling, st = static
-                return self._decode(t, pos, tab, SamplingBatch(*sampling, sort_k=sort_k), st)
+                return self.decode_fn(t, pos, tab, SamplingBatch(*sampling, sort_k=sort_k), st)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up outside the capture (it writes the keys the step will write)
