@@ -374,6 +374,10 @@ class Generator(PodTemplate):
                                       "gets the rest (like vLLM's gpu_memory_utilization)")
     port: int = Field(8000, ge=1, le=65535, description="the coordinator's HTTP port")
     adaptive_tp: AdaptiveTP = Field(AdaptiveTP(), alias="adaptiveTP")
+    tensor_parallel_size: int = Field(1, ge=1, description="engine pat with adaptiveTP.enabled: false: the pod's "
+                                      "fixed layout, ranks / tensorParallelSize TP groups of this size for every "
+                                      "batch (a power of two dividing the ranks per pod, among the TP sizes the "
+                                      "model's heads allow); engine vllm: use vllm.tensorParallelSize")
     vllm: VllmSettings = Field(VllmSettings(), description="engine vllm: its settings")
 
     @property
@@ -388,6 +392,11 @@ class Generator(PodTemplate):
     @property
     def tp_sizes(self) -> list[int]:
         return self.adaptive_tp.tp_sizes or [t for t in _powers_of_two(self.ranks)]
+
+    @property
+    def start_layout(self) -> tuple[int, ...]:
+        """engine pat: the layout every batch starts in, all TP=1 unless tensorParallelSize fixes larger groups."""
+        return (self.tensor_parallel_size,) * (self.ranks // self.tensor_parallel_size)
 
     @model_validator(mode="after")
     def _ranks(self) -> Generator:
@@ -406,6 +415,17 @@ class Generator(PodTemplate):
                                  f"ranks per pod; use some of {_powers_of_two(n)}")
         if self.adaptive_tp.tp_sizes and 1 not in self.adaptive_tp.tp_sizes:
             raise ValueError("generator.adaptiveTP.tpSizes must include 1: every rollout batch starts at TP=1")
+        fixed = self.tensor_parallel_size
+        if fixed & (fixed - 1) or n % fixed:
+            raise ValueError(f"generator.tensorParallelSize={fixed} is not a power of two dividing the {n} ranks per "
+                             f"pod; use one of {_powers_of_two(n)}")
+        if fixed > 1 and self.engine == "vllm":
+            raise ValueError(f"generator.tensorParallelSize={fixed} is engine pat's fixed layout; engine vllm: set "
+                             f"generator.vllm.tensorParallelSize instead")
+        if fixed > 1 and self.adaptive:
+            raise ValueError(f"generator.tensorParallelSize={fixed} fixes the layout, and adaptive TP regroups it "
+                             f"(every batch starts at TP=1): set generator.adaptiveTP.enabled: false for a fixed "
+                             f"layout, or leave tensorParallelSize at 1")
         tp = self.vllm.tensor_parallel_size
         if n % tp:
             raise ValueError(f"generator.vllm.tensorParallelSize={tp} does not divide the {n} ranks per pod; use one "

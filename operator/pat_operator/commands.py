@@ -23,7 +23,7 @@ def generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_file: str
             "--controller", controller, "--margin", str(a.min_gain), "--cooldown-steps", str(a.cooldown_steps),
             "--migration", a.migration, "--max-batch", str(g.max_batch), "--max-seq", str(g.max_seq),
             "--memory-utilization", str(g.memory_utilization), "--dtype", spec.model.dtype,
-            "--tp-sizes", ",".join(map(str, g.tp_sizes)),
+            "--tp-sizes", ",".join(map(str, g.tp_sizes)), "--tensor-parallel-size", str(g.tensor_parallel_size),
             # A CPU pod stays on CPU where GPUs are visible anyway (pat run on a workstation); a GPU pod fails at
             # start when it has fewer GPUs than ranks instead of falling back.
             "--device", "cuda" if g.gpus_per_pod else "cpu"]

@@ -113,10 +113,9 @@ def _trainer_world_rule() -> str:
             f"({ranks_set} || {responses} >= {shares} * {gpus})")
 
 
-def _vllm_tp_rule() -> str:
-    """vllm.tensorParallelSize divides the pod's ranks: ranksPerPod, else gpusPerPod (default 1); two cases, as in
+def _divides_ranks(tp: str) -> str:
+    """`tp` (a CEL expression) divides the pod's ranks: ranksPerPod, else gpusPerPod (default 1); two cases, as in
     _trainer_world_rule."""
-    tp = "self.vllm.tensorParallelSize"
     return (f"(!has(self.ranksPerPod) || self.ranksPerPod % {tp} == 0) && "
             f"(has(self.ranksPerPod) || {_value('gpusPerPod', api.Generator)} % {tp} == 0)")
 
@@ -167,8 +166,19 @@ def _rules() -> dict[str, list[tuple[str, str]]]:
                    "(has(self.ranksPerPod) ? self.ranksPerPod : self.gpusPerPod) % t == 0)"),
              "generator.adaptiveTP.tpSizes: use powers of two dividing the ranks per pod (ranksPerPod, else "
              "gpusPerPod)"),
-            (_when(["vllm.tensorParallelSize"], _vllm_tp_rule()),
+            (_when(["vllm.tensorParallelSize"], _divides_ranks("self.vllm.tensorParallelSize")),
              "generator.vllm.tensorParallelSize must divide the ranks per pod (ranksPerPod, else gpusPerPod)"),
+            (_when(["tensorParallelSize"], f"{_POW2} % self.tensorParallelSize == 0 && "
+                   + _divides_ranks("self.tensorParallelSize")),
+             "generator.tensorParallelSize: use a power of two dividing the ranks per pod (ranksPerPod, else "
+             "gpusPerPod)"),
+            (_when(["tensorParallelSize", "engine"], "self.tensorParallelSize == 1 || self.engine != 'vllm'"),
+             "generator.tensorParallelSize is engine pat's fixed layout; engine vllm: set "
+             "generator.vllm.tensorParallelSize instead"),
+            (_when(["tensorParallelSize"], "self.tensorParallelSize == 1 || has(self.engine) && self.engine == 'vllm' "
+                   "|| has(self.adaptiveTP) && has(self.adaptiveTP.enabled) && !self.adaptiveTP.enabled"),
+             "generator.tensorParallelSize above 1 fixes the layout, and adaptive TP regroups it (every batch starts "
+             "at TP=1): set generator.adaptiveTP.enabled: false for a fixed layout, or leave tensorParallelSize at 1"),
             (_when(["vllm.maxModelLen"], f"self.vllm.maxModelLen >= {_value('maxSeq', api.Generator)}"),
              "generator.vllm.maxModelLen is below generator.maxSeq: vLLM would refuse the longest sequences; raise "
              "it or leave it out"),

@@ -452,7 +452,8 @@ def role_gpus(spec: RLHFJobSpec, name: str | None = None, *, lenient: bool = Fal
 
 def problems(spec: RLHFJobSpec, shape: ModelShape, gpus: dict[str, GPU | None]) -> list[str]:
     """A generator.maxSeq (engine vllm: vllm.maxModelLen) beyond the model's positions, a vLLM TP size that does not
-    split the attention heads, and one message per role that does not fit its GPU (a role mapped to None is not
+    split the attention heads, an engine pat fixed TP size (generator.tensorParallelSize) its heads and MLP do not
+    allow, and one message per role that does not fit its GPU (a role mapped to None is not
     checked), naming the field to change and the least change that fits."""
     g, seq, positions = spec.generator, max_len(spec), shape.max_positions
     name = "generator.vllm.maxModelLen" if g.engine == "vllm" and g.vllm.max_model_len else "generator.maxSeq"
@@ -462,6 +463,10 @@ def problems(spec: RLHFJobSpec, shape: ModelShape, gpus: dict[str, GPU | None]) 
     sizes = [t for t in range(1, g.ranks + 1) if g.ranks % t == 0 and shape.heads % t == 0]
     split = (f"spec.generator.vllm.tensorParallelSize: vLLM splits the model's {shape.heads} attention heads over the "
              f"{tp} GPUs of an engine; use one of {sizes}")
+    fixed, allowed = g.tensor_parallel_size, shape.tp_sizes(g.ranks)
+    layout = (f"spec.generator.tensorParallelSize: {shape.name} splits over TP sizes that divide its "
+              f"{shape.kv_heads} KV heads and {shape.intermediate}-wide MLP (and the {g.ranks} ranks per pod): "
+              f"generator.tensorParallelSize={fixed} is not one of them; use one of {allowed}")
     over = [message for role, device in gpus.items()
             if device is not None and (message := _check(spec, shape, role, device.memory_bytes,
                                                           f"an {device.name}'s {gib(device.memory_bytes)}"))]
@@ -470,7 +475,7 @@ def problems(spec: RLHFJobSpec, shape: ModelShape, gpus: dict[str, GPU | None]) 
                  f"demo-vllm, or generator.engine: pat)")
     on_cpu = g.engine == "vllm" and not g.gpus_per_pod and shape.head_dim not in VLLM_CPU_HEAD_SIZES
     return ([beyond] * bool(positions and seq > positions) + [split] * (g.engine == "vllm" and shape.heads % tp > 0)
-            + [cpu_heads] * on_cpu + over)
+            + [layout] * (g.engine == "pat" and fixed not in allowed) + [cpu_heads] * on_cpu + over)
 
 
 # vLLM 0.32's CPU attention backend (CPUAttentionBackend.get_supported_head_sizes): others fail at the first request.

@@ -215,6 +215,21 @@ CASES = [
          also={"spec.generator.ranksPerPod": DELETE}),
     Case("spec.generator", "generator.vllm.tensorParallelSize must divide the ranks per pod", base="vllm",
          bad={"spec.generator.vllm.tensorParallelSize": 4}, good={"spec.generator.vllm.tensorParallelSize": 2}),
+    Case("spec.generator", "generator.tensorParallelSize: use a power of two dividing the ranks per pod",
+         bad={"spec.generator.tensorParallelSize": 4}, good={"spec.generator.tensorParallelSize": 2},
+         also={"spec.generator.adaptiveTP": {"enabled": False}}),
+    Case("spec.generator", "generator.tensorParallelSize: use a power of two dividing the ranks per pod",
+         bad={"spec.generator.gpusPerPod": 4, "spec.generator.tensorParallelSize": 8},
+         good={"spec.generator.gpusPerPod": 8, "spec.generator.tensorParallelSize": 8},
+         also={"spec.generator.ranksPerPod": DELETE, "spec.generator.adaptiveTP": {"enabled": False}}),
+    Case("spec.generator", "generator.tensorParallelSize is engine pat's fixed layout", base="vllm",
+         bad={"spec.generator.tensorParallelSize": 2}, good={"spec.generator.tensorParallelSize": 1}),
+    Case("spec.generator", "generator.tensorParallelSize above 1 fixes the layout",
+         bad={"spec.generator.tensorParallelSize": 2},  # the example's adaptiveTP.enabled: true
+         good={"spec.generator.tensorParallelSize": 2, "spec.generator.adaptiveTP": {"enabled": False}}),
+    Case("spec.generator", "generator.tensorParallelSize above 1 fixes the layout",
+         bad={"spec.generator.tensorParallelSize": 2, "spec.generator.adaptiveTP": DELETE},  # on by default
+         good={"spec.generator.tensorParallelSize": 1, "spec.generator.adaptiveTP": DELETE}),
     Case("spec.generator", "generator.vllm.maxModelLen is below generator.maxSeq", base="vllm",
          bad={"spec.generator.vllm.maxModelLen": 127}, good={"spec.generator.vllm.maxModelLen": 128}),
     Case("spec.generator", "generator.adaptiveTP.enabled: true needs generator.engine: pat", base="vllm",
@@ -510,6 +525,24 @@ def test_the_vllm_tp_rule_counts_ranks_as_the_models_do(jobs: Jobs, generator, t
         assert "spec.generator: Invalid value: generator.vllm.tensorParallelSize must divide" in refused
         with pytest.raises(JobSpecError, match="generator.vllm.tensorParallelSize"):
             parse_job(doc)
+
+
+@pytest.mark.parametrize("engine", ["pat", "vllm"])
+@pytest.mark.parametrize("enabled", [None, False, True])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_fixed_layout_rules_agree_with_the_models(jobs: Jobs, engine, enabled, tp):
+    """generator.tensorParallelSize on a pod of 2 ranks: the CRD refuses exactly what the models refuse."""
+    doc = edited(example("vllm" if engine == "vllm" else "local"), {
+        "spec.generator.tensorParallelSize": tp,
+        "spec.generator.adaptiveTP": {} if enabled is None else {"enabled": enabled}})
+    refused = jobs.refusal(doc)
+    try:
+        parse_job(doc)
+    except JobSpecError as e:
+        assert refused is not None, e
+    else:
+        assert refused is None, refused
+        assert tp == 1 or (engine, enabled, tp) == ("pat", False, 2)  # a fixed layout: adaptive TP off, engine pat
 
 
 @pytest.mark.parametrize("engine, enabled", [("pat", None), ("pat", False), ("pat", True), ("vllm", None),

@@ -4,7 +4,7 @@
 - a killed trainer rank (of a trainer pod running 2 through torch.distributed.run) and a killed engine rank: the
   gang restarts, resumes from the last checkpoint, and the result is exactly that of an uninterrupted run (same
   tokens every iteration, same final weights);
-- adaptive TP on vs off, greedy: identical token ids;
+- adaptive TP against fixed TP=1 and fixed TP=2 (`--baseline`, the runs in turns), greedy: identical token ids;
 - a bad spec is rejected before anything starts.
 """
 
@@ -145,11 +145,21 @@ def test_adaptive_tp_on_and_off_greedy_give_identical_tokens(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["regroups"] >= 1 and summary["per_iteration"][0]["layouts"] == [[2]], summary["per_iteration"]
-    compared = summary["adaptive_vs_fixed"]
+    # --baseline: fixed TP=1 and fixed TP=2 (the largest the 2 ranks allow), in turns, the order rotated
+    assert summary["turns"] == [["job", "fixed-tp1", "fixed-tp2"], ["fixed-tp1", "fixed-tp2", "job"]]
+    assert sorted(summary["fixed_layouts"]) == ["1", "2"] and summary["best_fixed_tp"] in (1, 2)
+    for tp in (1, 2):  # each fixed run kept its layout: no regroup, every batch in TP=tp groups
+        fixed = rows(run_dir / f"fixed-tp{tp}")
+        assert [r["layouts"] for r in fixed] == [[[tp] * (2 // tp)]] * 2 and sum(r["regroups"] for r in fixed) == 0
     samples = yaml.safe_load(job.read_text())["spec"]["algorithm"]["samplesPerPrompt"]
-    assert compared["responses_compared"] == 2 * 8 * samples and compared["identical_tokens"], compared
-    assert compared["like_for_like_iterations"] == [1, 2], compared
-    assert compared["generate_seconds_fixed"] > 0 and compared["generate_seconds_adaptive"] > 0
+    for key in ("adaptive_vs_fixed_tp1", "adaptive_vs_best_fixed"):
+        compared = summary[key]
+        assert compared["responses_compared"] == 2 * 8 * samples and compared["identical_tokens"], compared
+        assert compared["like_for_like_iterations"] == [1, 2], compared
+        assert compared["generate_seconds_fixed"] > 0 and compared["generate_seconds_adaptive"] > 0
+    assert summary["adaptive_vs_fixed_tp1"]["fixed_tp"] == 1
+    assert summary["adaptive_vs_best_fixed"]["fixed_tp"] == summary["best_fixed_tp"]
+    assert "generation, adaptive vs the best fixed layout (TP=" in done.stdout
 
 
 def test_a_bad_spec_starts_nothing(tmp_path):

@@ -210,5 +210,18 @@ def guarded_pod(pods) -> Pod:
 
 
 @pytest.fixture(scope="session")
+def fixed_pod(model_dir, tmp_path_factory):
+    """A pod of a fixed layout, TP=2 on its 2 ranks (generator.tensorParallelSize: 2, adaptive TP off), started
+    only for the tests that use it."""
+    pod = Pod("fixed", model_dir, tmp_path_factory.mktemp("fixed-pod"), "--controller", "operator",
+              "--tensor-parallel-size", "2", env={"PAT_JOB_TOKEN": TOKEN})
+    try:
+        pod.wait_ready()
+        yield pod
+    finally:
+        assert pod.stop() == 0
+
+
+@pytest.fixture(scope="session")
 def reference(model_dir) -> Reference:
     return Reference(model_dir)

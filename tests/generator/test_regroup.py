@@ -49,6 +49,35 @@ def test_pod_mode_refuses_plans(planning_pod):
     assert planning_pod.state()["epoch"] == before["epoch"]
 
 
+def test_a_fixed_layout_generates_every_batch_in_its_groups_and_refuses_plans(fixed_pod, reference):
+    pod = fixed_pod
+    assert (pod.state()["layout"], pod.state()["epoch"]) == ([2], 0)
+    for batch in ("fixed-0", "fixed-1"):
+        requests = long_tailed(6, long=60, tag=batch)
+        pod.submit(batch, requests)
+        seen = set()
+        while not (state := pod.state())["batch_done"]:
+            seen.add(tuple(state["layout"]))
+        assert seen <= {(2,)} and mismatched(pod.finish(batch), reference(requests)) == []
+    status, reply = pod.call("POST", "/v1/regroup", {"epoch": 1, "layout": [1, 1]})
+    assert status == 409 and "fixed layout [2] (generator.tensorParallelSize=2" in reply["error"], reply
+    state = pod.state()
+    assert (state["layout"], state["epoch"], state["groups"][0]["tp"]) == ([2], 0, 2)
+    assert pod.metrics()[("pat_generator_tp_size", (("group", "0-1"),))] == 2
+
+
+def test_a_fixed_layout_is_refused_where_the_pod_plans_or_the_ranks_do_not_split(model_dir, capsys, monkeypatch):
+    from pat_workers.generator.__main__ import main as generator
+
+    monkeypatch.setenv("PAT_JOB_TOKEN", "token")
+    args = ["--model", str(model_dir), "--ranks", "2", "--device", "cpu", "--tensor-parallel-size"]
+    assert generator([*args, "2", "--controller", "pod"]) == 2
+    assert "--tensor-parallel-size=2 is a fixed layout: the pod plans no regroups; use --controller operator" in \
+        capsys.readouterr().err
+    assert generator([*args, "4", "--controller", "operator"]) == 2
+    assert "--tensor-parallel-size=4 must be a power of two dividing --ranks=2" in capsys.readouterr().err
+
+
 def _batches_logged(pod, tag: str, batches: int, requests) -> list[list[str]]:
     """Runs `batches` batches one after the other; per batch, the regroup and guard lines of the pod's log."""
     lines = []

@@ -47,6 +47,17 @@ def test_example_is_valid_and_camel_case_round_trips():
      or s["trainer"].update(replicas=2), "each of the 2 trainer ranks (trainer.replicas x ranks per pod)"),
     (lambda s: s["trainer"].update(gpusPerPod=2, ranksPerPod=1), "trainer.ranksPerPod=1 must equal gpusPerPod=2"),
     (lambda s: s["algorithm"].update(maxTokensPerMicroBatch=100), "algorithm.maxTokensPerMicroBatch=100 is below"),
+    (lambda s: s["generator"].update(tensorParallelSize=4, adaptiveTP={"enabled": False}),
+     "generator.tensorParallelSize=4 is not a power of two dividing the 2 ranks per pod; use one of [1, 2]"),
+    (lambda s: s["generator"].update(tensorParallelSize=3, ranksPerPod=4, adaptiveTP={"enabled": False}),
+     "generator.tensorParallelSize=3 is not a power of two dividing the 4 ranks per pod"),
+    (lambda s: s["generator"].update(tensorParallelSize=0), "spec.generator.tensorParallelSize"),
+    (lambda s: s["generator"].update(tensorParallelSize=2),  # adaptiveTP.enabled: true (the example's)
+     "generator.tensorParallelSize=2 fixes the layout, and adaptive TP regroups it"),
+    (lambda s: s["generator"].update(tensorParallelSize=2, adaptiveTP={}),  # adaptive by default with engine pat
+     "set generator.adaptiveTP.enabled: false for a fixed layout"),
+    (lambda s: s["generator"].update(tensorParallelSize=2, engine="vllm", adaptiveTP={}),
+     "generator.tensorParallelSize=2 is engine pat's fixed layout; engine vllm: set generator.vllm.tensorParallelSize"),
 ])
 def test_bad_fields_are_named(edit, field):
     doc = example()
@@ -61,6 +72,15 @@ def test_ranks_default_to_one_per_gpu():
     doc["spec"]["generator"].update(gpusPerPod=4, ranksPerPod=None)
     generator = parse_job(doc).spec.generator
     assert generator.ranks == 4 and generator.tp_sizes == [1, 2, 4]
+
+
+def test_a_fixed_layout_needs_adaptive_tp_off_and_starts_every_batch_in_its_groups():
+    doc = example()
+    assert parse_job(doc).spec.generator.start_layout == (1, 1)  # the default: TP=1 replicas
+    doc["spec"]["generator"].update(gpusPerPod=8, ranksPerPod=None, tensorParallelSize=4,
+                                    adaptiveTP={"enabled": False})
+    generator = parse_job(doc).spec.generator
+    assert generator.tensor_parallel_size == 4 and generator.start_layout == (4, 4) and not generator.adaptive
 
 
 def test_a_typo_gets_the_closest_field():

@@ -189,6 +189,26 @@ def test_max_seq_beyond_the_models_positions():
                                   "x").max_positions is None  # not said: not checked
 
 
+def test_a_fixed_tp_size_the_models_heads_do_not_split_over_names_the_field_and_the_sizes_they_allow(tmp_path,
+                                                                                                      capsys):
+    """The test preset has 4 KV heads: a pod of 8 ranks may run fixed TP=1, 2 or 4, not 8; pat validate says so."""
+    doc = job("local.yaml", **{"generator.ranksPerPod": 8, "generator.tensorParallelSize": 8,
+                               "generator.adaptiveTP": {"enabled": False}})
+    doc["spec"]["model"]["tiny"]["preset"] = "test"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    code, out, err = run(capsys, "validate", str(tmp_path / "job.yaml"))
+    assert (code, out) == (2, "") and err == (
+        f"{tmp_path / 'job.yaml'} does not fit:\n  spec.generator.tensorParallelSize: tiny llama test splits over TP "
+        f"sizes that divide its 4 KV heads and 160-wide MLP (and the 8 ranks per pod): generator.tensorParallelSize=8 "
+        f"is not one of them; use one of [1, 2, 4]\n")
+    doc["spec"]["generator"]["tensorParallelSize"] = 4
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    assert run(capsys, "validate", str(tmp_path / "job.yaml"))[:2] == (0, "RLHFJob arithmetic-grpo: valid\n")
+    assert fit.problems(parse_job(doc).spec, fit.tiny_shape("demo-vllm"), {}) == [  # 2 KV heads
+        "spec.generator.tensorParallelSize: tiny llama demo-vllm splits over TP sizes that divide its 2 KV heads and "
+        "352-wide MLP (and the 8 ranks per pod): generator.tensorParallelSize=4 is not one of them; use one of [1, 2]"]
+
+
 def test_no_single_change_fits():
     """An 8 GiB GPU: the bf16 working set alone (2 blocks + root, one micro-batch of maxSeq, a logits chunk) is
     over its 7.2 GiB usable, whatever the sharding or offloading."""

@@ -2,11 +2,15 @@
 for like, the table, and the plots."""
 
 import json
+from pathlib import Path
 
 import matplotlib
 import pytest
 
+from pat_operator.api import load_job
 from pat_workers import report
+
+ROOT = Path(__file__).parents[2]
 
 matplotlib.use("Agg")
 
@@ -65,11 +69,48 @@ ROWS = [{"iteration": i, "seconds": {"generate": 1.0 + i, "train": 2.0}, "regrou
 
 
 def test_the_table_puts_the_fixed_runs_generation_beside():
-    fixed = [{**r, "seconds": {"generate": 5.0 + r["iteration"]}} for r in ROWS]
+    fixed = {1: [{**r, "seconds": {"generate": 5.0 + r["iteration"]}} for r in ROWS],
+             2: [{**r, "seconds": {"generate": 4.0 + r["iteration"]}} for r in ROWS[:1]]}
     head, _, first, second = report.table(ROWS, fixed).splitlines()
-    assert head.split()[:3] == ["iter", "generate", "fixed"]
-    assert first.split()[:3] == ["1", "2.00", "6.00"] and second.split()[:3] == ["2", "3.00", "7.00"]
+    assert head.split()[:6] == ["iter", "generate", "fixed", "TP1", "fixed", "TP2"]
+    assert first.split()[:4] == ["1", "2.00", "6.00", "5.00"] and second.split()[:4] == ["2", "3.00", "7.00", "nan"]
     assert report.table(ROWS).splitlines()[0].split()[:3] == ["iter", "generate", "reward"]
+
+
+def test_the_best_fixed_layout_generated_fastest_over_the_iterations_all_fixed_runs_completed():
+    rows = lambda *seconds: [{"iteration": i, "seconds": {"generate": g}} for i, g in enumerate(seconds, 1)]  # noqa
+    assert report.best_fixed({1: rows(3.0, 3.0), 2: rows(2.0, 2.5)}) == 2
+    assert report.best_fixed({1: rows(3.0, 3.0, 1.0), 2: rows(2.0, 4.5)}) == 1  # iteration 3 only in one
+    assert report.best_fixed({1: rows(2.0), 2: rows(2.0)}) == 1 and report.best_fixed({}) is None
+
+
+def test_the_summary_shows_adaptive_against_fixed_tp1_and_the_best_fixed_layout(tmp_path, capsys):
+    """Three run folders as `pat run --baseline` leaves them: adaptive, fixed TP=1 (slower) and fixed TP=2 (faster
+    than TP=1, slower than adaptive); the same lengths in all."""
+    same = [(5, [3, 9]), (5, [3, 9])]
+    write_run(tmp_path / "run", [1.0, 2.0], same)
+    write_run(tmp_path / "run" / "fixed-tp1", [3.0, 4.0], same)
+    write_run(tmp_path / "run" / "fixed-tp2", [2.0, 2.0], [(6, [3, 9]), (5, [3, 9])])  # other tokens, same work
+    for run in (tmp_path / "run", tmp_path / "run" / "fixed-tp1", tmp_path / "run" / "fixed-tp2"):
+        rows = [{**r, **ROWS[0], "iteration": r["iteration"], "seconds": r["seconds"]}
+                for r in report.read_jsonl(run / "metrics.jsonl")]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = load_job(ROOT / "examples" / "local.yaml")
+    outcome = {"seconds": 30.0, "restarts": []}
+    turns = [["job", "fixed-tp1", "fixed-tp2"], ["fixed-tp1", "fixed-tp2", "job"]]
+    path = report.write(tmp_path / "run", job, outcome, {2: (tmp_path / "run" / "fixed-tp2", outcome),
+                                                         1: (tmp_path / "run" / "fixed-tp1", outcome)}, turns)
+    summary = json.loads(path.read_text())
+    assert summary["best_fixed_tp"] == 2 and summary["turns"] == turns
+    assert {tp: f["generate_seconds"] for tp, f in summary["fixed_layouts"].items()} == {"1": 7.0, "2": 4.0}
+    tp1, best = summary["adaptive_vs_fixed_tp1"], summary["adaptive_vs_best_fixed"]
+    assert (tp1["fixed_tp"], tp1["generate_seconds_fixed"], tp1["identical_tokens"]) == (1, 7.0, True)
+    assert (best["fixed_tp"], best["generate_ratio_like_for_like"], best["responses_differing"]) == (2, 0.75, 2)
+    assert "adaptive_vs_fixed" not in summary
+    out = capsys.readouterr().out
+    assert "generation, adaptive vs fixed TP=1: 3.00 s vs 7.00 s in all" in out
+    assert "generation, adaptive vs the best fixed layout (TP=2): 3.00 s vs 4.00 s in all" in out
+    assert "fixed layouts, generation: TP=1 7.00 s, TP=2 4.00 s; the best fixed layout is TP=2" in out
 
 
 def test_groups_label_counts_groups_by_tp_size():
@@ -81,15 +122,18 @@ def test_the_plots_show_whole_requests_and_keep_legends_off_the_data(tmp_path):
     timeline = [poll(10.0 + 0.1 * k, f"iter-{b}", n == 0, (1, 1) if n > 2 else (2,), *([n // 2, n - n // 2]
                                                                                         if n > 2 else [n]))
                 for b in (1, 2) for k, n in enumerate((64, 9, 3, 1, 0))]
-    written = report.plots(tmp_path, ROWS, timeline, ROWS, timeline)
+    fixed = {1: (ROWS, timeline), 2: (ROWS, timeline)}
+    written = report.plots(tmp_path, ROWS, timeline, fixed)
     assert written == [str(tmp_path / "timeline.png"), str(tmp_path / "iterations.png")]
     assert all((tmp_path / name).stat().st_size > 10_000 for name in ("timeline.png", "iterations.png"))
     import matplotlib.pyplot as plt
 
-    fig = report.timeline_figure(plt, report.batch_traces(timeline), report.batch_traces(timeline), ROWS, ROWS)
+    traces = report.batch_traces(timeline)
+    fig = report.timeline_figure(plt, traces, {1: traces, 2: traces}, ROWS, {1: ROWS, 2: ROWS})
     panels = [ax for ax in fig.axes if ax.get_visible()]
     assert len(panels) == 2 and all(ax.get_legend() is None for ax in panels) and len(fig.legends) == 1
     assert [t.get_text() for t in panels[0].get_yticklabels()] == ["1", "2", "4", "8", "16", "32", "64"]
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["adaptive TP: 2 x TP=1", "adaptive TP: 1 x TP=2",
-                                                                  "fixed TP=1"]
+                                                                  "fixed TP=1", "fixed TP=2"]
+    assert panels[0].get_title() == "iter-1: 2.00 s (fixed TP1 2.00, TP2 2.00)"
     plt.close(fig)

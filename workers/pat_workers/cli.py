@@ -25,7 +25,10 @@ def _run(argv: list[str]) -> int:
     ap.add_argument("job", help="RLHFJob YAML, e.g. examples/local.yaml")
     ap.add_argument("--run-dir", help="run folder (default runs/<name>-<time>); an existing one resumes")
     ap.add_argument("--baseline", action="store_true",
-                    help="then run the same job with adaptive TP off and compare generation time and tokens")
+                    help="also run the same job at fixed layouts, adaptive TP off: fixed TP=1 and the largest TP the "
+                         "model and the pod's ranks allow; the runs take turns an iteration at a time (the order "
+                         "rotated every iteration); compare generation time and tokens against fixed TP=1 and the "
+                         "best (fastest) fixed layout")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     job = load_job(args.job)

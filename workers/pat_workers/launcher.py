@@ -6,6 +6,12 @@ gang: when any process fails, every process is stopped and the gang starts again
 spec.runPolicy.backoffLimit times); the trainer resumes from its last checkpoint.
 While it runs it polls the pods' state (the layout timeline) and shows progress; at the end it writes the
 summary and plots (report.py).
+
+With --baseline the same job also runs at fixed layouts, adaptive TP off: fixed TP=1 and, where the model and the
+pod's ranks allow more, fixed TP at the largest size they allow. The variants run side by side, each its own gang,
+but take turns an iteration at a time (turns.py), in an order rotated every iteration, so that iteration k of each
+runs back to back on the same host; their pods start one after the other, so that each measures its start-up
+profile alone.
 """
 
 from __future__ import annotations
@@ -30,9 +36,11 @@ from tqdm import tqdm
 
 from pat_operator.api import ModelSource, RLHFJob, RLHFJobSpec
 from pat_operator.commands import generator_args, trainer_args
+from pat_operator.fit import read_shape
 from pat_operator.podclient import PodClient
 
 from . import report
+from .turns import Turns
 from .engine.tiny import make_tiny_model
 from .trainer import data
 
@@ -113,9 +121,11 @@ class Gang:
 
 
 class LocalRun:
-    def __init__(self, job: RLHFJob, run_dir: Path, progress: bool = True):
+    def __init__(self, job: RLHFJob, run_dir: Path, progress: bool = True, env: dict[str, str] | None = None,
+                 label: str | None = None, position: int = 0):
         self.job, self.spec, self.run_dir = job, job.spec, run_dir
-        self.progress = progress
+        self.progress, self.label, self.position = progress, label or job.metadata.name, position
+        self.env = env or {}  # added to every process's environment (turns.ENV)
         self.logs = run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.model = prepare(job, run_dir)
@@ -124,7 +134,7 @@ class LocalRun:
     def _spawn(self, gang: Gang, name: str, argv: list[str], env: dict[str, str]) -> None:
         log = open(self.logs / f"{name}.attempt{gang.attempt}.log", "w")
         gang.procs[name] = subprocess.Popen([sys.executable, "-m", "pat_workers.cli", *argv], stdout=log,
-                                            stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                            stderr=subprocess.STDOUT, env={**os.environ, **self.env, **env},
                                             start_new_session=True)
         (self.run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in gang.procs.items()}))
 
@@ -184,44 +194,101 @@ class LocalRun:
         bar.set_postfix(post, refresh=False)
         bar.update(0)  # redraws at most every mininterval
 
-    def run(self) -> dict:
+    def bar(self) -> tqdm:
+        size = shutil.get_terminal_size((110, 24))  # a terminal of unknown size reports 0 x 0: tqdm hides bars
+        return tqdm(total=self.spec.algorithm.iterations, desc=self.label, unit="it", position=self.position,
+                    disable=not self.progress, file=sys.stderr, mininterval=0.25 if sys.stderr.isatty() else 10,
+                    ncols=size.columns, nrows=size.lines)
+
+    async def run_async(self, bar: tqdm | None = None) -> dict:
+        """The gang's attempts until the trainer finishes; the outcome (seconds, restarts)."""
         started = time.time()
         restarts: list[dict] = []
-        size = shutil.get_terminal_size((110, 24))  # a terminal of unknown size reports 0 x 0: tqdm hides bars
-        bar = tqdm(total=self.spec.algorithm.iterations, desc=self.job.metadata.name, unit="it",
-                   disable=not self.progress, file=sys.stderr, mininterval=0.25 if sys.stderr.isatty() else 10,
-                   ncols=size.columns, nrows=size.lines)
-        try:
-            attempt = 0
-            while (why := asyncio.run(self._attempt(attempt, bar))) is not None:
-                restarts.append({"attempt": attempt, "time": time.time(), "reason": why})
-                tqdm.write(f"attempt {attempt} failed: {why}; logs in {self.logs}", file=sys.stderr)
-                if len(restarts) > self.spec.run_policy.backoff_limit:
-                    raise LaunchError(f"the job failed {len(restarts)} times (runPolicy.backoffLimit="
-                                      f"{self.spec.run_policy.backoff_limit}); last: {why}")
-                attempt += 1
-        finally:
-            bar.close()
+        attempt = 0
+        while (why := await self._attempt(attempt, bar)) is not None:
+            restarts.append({"attempt": attempt, "time": time.time(), "reason": why})
+            tqdm.write(f"{self.label}: attempt {attempt} failed: {why}; logs in {self.logs}", file=sys.stderr)
+            if len(restarts) > self.spec.run_policy.backoff_limit:
+                raise LaunchError(f"the job failed {len(restarts)} times (runPolicy.backoffLimit="
+                                  f"{self.spec.run_policy.backoff_limit}); last: {why}")
+            attempt += 1
         return {"seconds": time.time() - started, "restarts": restarts}
 
+    def run(self) -> dict:
+        bar = self.bar()
+        try:
+            return asyncio.run(self.run_async(bar))
+        finally:
+            bar.close()
 
-def baseline_of(job: RLHFJob, model: Path) -> RLHFJob:
-    """The same job with adaptive TP off, on the same model."""
+
+def fixed_of(job: RLHFJob, model: Path, tp: int) -> RLHFJob:
+    """The same job on the same model at a fixed layout: adaptive TP off, TP groups of `tp` ranks."""
     generator = job.spec.generator
     spec = job.spec.model_copy(update={
-        "generator": generator.model_copy(update={"adaptive_tp": generator.adaptive_tp.model_copy(
-            update={"enabled": False})}),
+        "generator": generator.model_copy(update={"tensor_parallel_size": tp, "adaptive_tp": generator.adaptive_tp
+                                                  .model_copy(update={"enabled": False})}),
         "model": ModelSource(path=str(model.resolve()))})
     return job.model_copy(update={"spec": spec})
 
 
+def fixed_sizes(job: RLHFJob, model: Path) -> list[int]:
+    """The fixed layouts a baseline runs: TP=1, and the largest TP the model's heads and the pod's ranks allow when
+    that is more than 1 (where decode steps are memory-bound, the fastest fixed layout is usually that one or
+    TP=1; the report names whichever generated faster as the best fixed layout)."""
+    largest = read_shape(model / "config.json").tp_sizes(job.spec.generator.ranks)[-1]
+    return sorted({1, largest})
+
+
+async def interleave(runs: dict[str, LocalRun], turns: Turns) -> dict[str, dict]:
+    """Runs the jobs side by side, one iteration at a time (see turns.py): their gangs start one after the other
+    (each pod measures its profile alone), then each iteration goes to every job in turn, in the order
+    turns.order gives. Returns each job's outcome; the first job that fails for good stops them all."""
+    bars = {name: r.bar() for name, r in runs.items()}
+    tasks: dict[str, asyncio.Task] = {}
+
+    async def until(name: str, past: int) -> None:
+        """Until the job waits for an iteration after `past`, or has ended (its gang stopped)."""
+        while not tasks[name].done() and (turns.waiting(name) or 0) <= past:
+            await asyncio.sleep(0.02)
+        if tasks[name].done() and tasks[name].exception() is not None:
+            raise tasks[name].exception()
+
+    try:
+        for name, r in runs.items():
+            tasks[name] = asyncio.create_task(r.run_async(bars[name]))
+            await until(name, 0)  # ready for its first iteration
+        for iteration in range(1, max(r.spec.algorithm.iterations for r in runs.values()) + 1):
+            for name in turns.order(iteration):
+                turns.grant(name, iteration)
+                await until(name, iteration)
+        return {name: await task for name, task in tasks.items()}
+    finally:
+        for task in tasks.values():
+            task.cancel()  # the runs still going (one failed): their gangs stop as their tasks end
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        for bar in bars.values():
+            bar.close()
+
+
 def run(job: RLHFJob, run_dir: Path, baseline: bool = False, progress: bool = True) -> Path:
-    """Runs the job (and, with `baseline`, the same job with adaptive TP off); returns summary.json."""
-    main = LocalRun(job, run_dir, progress)
-    outcome = main.run()
+    """Runs the job; with `baseline` also the same job at fixed layouts (fixed_sizes), taking turns an iteration at a
+    time with it (interleave). Returns summary.json."""
     if not baseline:
-        return report.write(run_dir, job, outcome)
-    compared = run_dir / "baseline"
-    print("baseline: the same job with adaptive TP off", file=sys.stderr, flush=True)
-    fixed = LocalRun(baseline_of(job, main.model), compared, progress).run()
-    return report.write(run_dir, job, outcome, compared, fixed)
+        return report.write(run_dir, job, LocalRun(job, run_dir, progress).run())
+    model = prepare(job, run_dir)
+    sizes = fixed_sizes(job, model)
+    names = ["job", *(f"fixed-tp{tp}" for tp in sizes)]
+    turns = Turns(run_dir / "turns", names)
+    label = "adaptive TP" if job.spec.generator.adaptive else job.metadata.name
+    runs = {"job": LocalRun(job, run_dir, progress, turns.env("job"), label)}
+    for i, tp in enumerate(sizes, 1):
+        runs[f"fixed-tp{tp}"] = LocalRun(fixed_of(job, model, tp), run_dir / f"fixed-tp{tp}", progress,
+                                         turns.env(f"fixed-tp{tp}"), f"fixed TP={tp}", i)
+    print(f"baseline: the same job at fixed {', '.join(f'TP={tp}' for tp in sizes)} (adaptive TP off), side by "
+          f"side, one iteration at a time in turns: {' / '.join(names)}, the order rotated every iteration",
+          file=sys.stderr, flush=True)
+    outcomes = asyncio.run(interleave(runs, turns))
+    return report.write(run_dir, job, outcomes["job"],
+                        {tp: (run_dir / f"fixed-tp{tp}", outcomes[f"fixed-tp{tp}"]) for tp in sizes},
+                        turns=[turns.order(i) for i in range(1, job.spec.algorithm.iterations + 1)])

@@ -2,14 +2,15 @@
 
 Inputs: metrics.jsonl (one row per trainer iteration), timeline.jsonl (the pods' state polled by the launcher:
 layout and running requests over time), rollouts/iter-*.json (token ids per response); with --baseline, the same
-of the job run again at fixed TP (baseline/), shown beside.
+of the job run at fixed layouts beside it (fixed-tp1/, and fixed-tp<N>/ for the largest TP the model allows),
+shown beside: adaptive against fixed TP=1 and against the best fixed layout (the one that generated fastest).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pat_operator.api import RLHFJob
@@ -100,16 +101,25 @@ def compare(run_dir: Path, baseline_dir: Path) -> dict:
             "identical_tokens": responses > 0 and mismatched == 0}
 
 
-def table(rows: list[dict], fixed: Sequence[dict] = ()) -> str:
-    """One line per iteration; with the fixed-TP run's rows, its generation seconds beside this run's."""
-    fixed_generate = {r["iteration"]: r["seconds"]["generate"] for r in fixed}
-    head = f"{'iter':>4} {PHASES[0]:>9}" + (f" {'fixed TP1':>9}" if fixed else "") \
+def best_fixed(fixed: Mapping[int, Sequence[dict]]) -> int | None:
+    """The fixed layout (its TP size) that generated fastest over the iterations every fixed run completed."""
+    common = set.intersection(*({r["iteration"] for r in rows} for rows in fixed.values())) if fixed else set()
+    seconds = {tp: sum(r["seconds"]["generate"] for r in rows if r["iteration"] in common)
+               for tp, rows in fixed.items()}
+    return min(seconds, key=lambda tp: (seconds[tp], tp)) if seconds else None
+
+
+def table(rows: list[dict], fixed: Mapping[int, Sequence[dict]] | None = None) -> str:
+    """One line per iteration; with the fixed layouts' rows (per TP size), their generation seconds beside this
+    run's."""
+    fixed_generate = {tp: {r["iteration"]: r["seconds"]["generate"] for r in f} for tp, f in (fixed or {}).items()}
+    head = f"{'iter':>4} {PHASES[0]:>9}" + "".join(f" {f'fixed TP{tp}':>9}" for tp in fixed_generate) \
         + "".join(f" {p:>9}" for p in PHASES[1:]) + f" {'regroups':>8} {'reward':>7} {'score':>6} " \
         f"{'resp len':>8} {'tok/s':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
         seconds = [r["seconds"].get(p, 0.0) for p in PHASES]
-        beside = [fixed_generate.get(r["iteration"], math.nan)] if fixed else []
+        beside = [g.get(r["iteration"], math.nan) for g in fixed_generate.values()]
         lines.append(f"{r['iteration']:>4} " + " ".join(f"{v:>9.2f}" for v in seconds[:1] + beside + seconds[1:])
                      + f" {r.get('regroups', 0):>8} {r['reward_mean']:>7.3f} {r['score_mean']:>6.3f}"
                        f" {r['response_tokens_mean']:>8.1f}"
@@ -144,29 +154,38 @@ def batch_traces(timeline: list[dict]) -> dict[str, dict[int, Trace]]:
     return traces
 
 
-def plots(run_dir: Path, rows: list[dict], timeline: list[dict], fixed_rows: Sequence[dict] = (),
-          fixed_timeline: Sequence[dict] = ()) -> list[str]:
+def fixed_style(tp: int) -> dict:
+    """How a fixed layout's run is drawn beside the adaptive one: TP=1 grey dashed, larger TP dark dotted."""
+    return dict(color="0.55", ls="--") if tp == 1 else dict(color="0.15", ls=":")
+
+
+def plots(run_dir: Path, rows: list[dict], timeline: list[dict],
+          fixed: Mapping[int, tuple[Sequence[dict], Sequence[dict]]] | None = None) -> list[str]:
+    """timeline.png and iterations.png; `fixed`: per fixed TP size, its run's (rows, timeline)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fixed = fixed or {}
+    fixed_rows = {tp: list(f[0]) for tp, f in fixed.items()}
     written = []
     traces = batch_traces(timeline)
     if traces:
-        fig = timeline_figure(plt, traces, batch_traces(list(fixed_timeline)), rows, list(fixed_rows))
+        fig = timeline_figure(plt, traces, {tp: batch_traces(list(f[1])) for tp, f in fixed.items()}, rows,
+                              fixed_rows)
         written.append(save_figure(fig, run_dir / "timeline.png", top=0.93))
     if rows:
-        written.append(save_figure(iterations_figure(plt, rows, list(fixed_rows)), run_dir / "iterations.png"))
+        written.append(save_figure(iterations_figure(plt, rows, fixed_rows), run_dir / "iterations.png"))
     return written
 
 
 MAX_PANELS = 20  # batches the timeline draws, evenly spaced over the run
 
 
-def timeline_figure(plt, traces: dict[str, dict[int, Trace]], fixed: dict[str, dict[int, Trace]],
-                    rows: list[dict], fixed_rows: list[dict]):
+def timeline_figure(plt, traces: dict[str, dict[int, Trace]], fixed: Mapping[int, dict[str, dict[int, Trace]]],
+                    rows: list[dict], fixed_rows: Mapping[int, list[dict]]):
     """One panel per rollout batch: its requests over the batch on a log scale, so that the tail shows, colored by
-    the pod's layout, and the same batch of the fixed-TP run dashed beside it."""
+    the pod's layout, and the same batch of each fixed layout's run (per TP size) beside it, dashed or dotted."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FixedLocator, NullLocator
 
@@ -174,7 +193,8 @@ def timeline_figure(plt, traces: dict[str, dict[int, Trace]], fixed: dict[str, d
     shown = [batches[round(i * (len(batches) - 1) / (MAX_PANELS - 1))] for i in range(MAX_PANELS)] \
         if len(batches) > MAX_PANELS else batches
     generate = {f"iter-{r['iteration']}": r["seconds"]["generate"] for r in rows}  # the trainer's batch ids
-    fixed_generate = {f"iter-{r['iteration']}": r["seconds"]["generate"] for r in fixed_rows}
+    fixed_generate = {tp: {f"iter-{r['iteration']}": r["seconds"]["generate"] for r in f}
+                      for tp, f in fixed_rows.items()}
     layouts = sorted({point[2] for b in shown for t in traces[b].values() for point in t}, key=lambda lo: -len(lo))
     colors = {layout: f"C{i}" for i, layout in enumerate(layouts)}
     columns = min(5, len(shown))
@@ -184,13 +204,15 @@ def timeline_figure(plt, traces: dict[str, dict[int, Trace]], fixed: dict[str, d
     most = max(1, *(n for b in shown for t in traces[b].values() for _, n, _ in t))
     ticks = [2 ** i for i in range(most.bit_length())]  # whole requests
     for ax, batch in zip(axes.flat, shown):
-        for trace in fixed.get(batch, {}).values():
-            draw_trace(ax, trace, lambda _: dict(color="0.55", ls="--", lw=1))
+        for tp, fixed_traces in fixed.items():
+            for trace in fixed_traces.get(batch, {}).values():
+                draw_trace(ax, trace, lambda _, tp=tp: dict(**fixed_style(tp), lw=1))
         for trace in traces[batch].values():
             draw_trace(ax, trace, lambda layout: dict(color=colors[layout], lw=1.6))
+        beside = ", ".join(f"TP{tp} {g[batch]:.2f}" for tp, g in fixed_generate.items() if batch in g)
         title = batch if batch not in generate else f"{batch}: {generate[batch]:.2f} s" + (
-            f" (fixed {fixed_generate[batch]:.2f} s)" if batch in fixed_generate else "")
-        ax.set_title(title, fontsize=8)
+            f" (fixed {beside})" if beside else "")
+        ax.set_title(title, fontsize=8 if len(fixed_generate) < 2 else 7)
         ax.set_yscale("log")
         ax.yaxis.set_major_locator(FixedLocator(ticks))
         ax.yaxis.set_minor_locator(NullLocator())
@@ -204,8 +226,7 @@ def timeline_figure(plt, traces: dict[str, dict[int, Trace]], fixed: dict[str, d
     for ax in axes[-1]:
         ax.set_xlabel("seconds into the batch")
     handles = [Line2D([], [], color=colors[lo], lw=2, label=f"adaptive TP: {groups_label(lo)}") for lo in layouts]
-    if fixed:
-        handles.append(Line2D([], [], color="0.55", ls="--", label="fixed TP=1"))
+    handles += [Line2D([], [], **fixed_style(tp), label=f"fixed TP={tp}") for tp in fixed]
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=9, frameon=False,
                bbox_to_anchor=(0.5, 0.96))
     fig.suptitle("Each rollout batch: requests running or waiting (log scale) and the pod's layout"
@@ -226,8 +247,8 @@ def groups_label(layout: tuple[int, ...]) -> str:
     return " + ".join(f"{layout.count(tp)} x TP={tp}" for tp in sorted(set(layout), reverse=True))
 
 
-def iterations_figure(plt, rows: list[dict], fixed_rows: list[dict]):
-    """Per iteration: seconds by phase; generation seconds against the fixed-TP run; reward and score."""
+def iterations_figure(plt, rows: list[dict], fixed_rows: Mapping[int, list[dict]]):
+    """Per iteration: seconds by phase; generation seconds against each fixed layout's run; reward and score."""
     from matplotlib.ticker import MaxNLocator
 
     its = [r["iteration"] for r in rows]
@@ -240,9 +261,9 @@ def iterations_figure(plt, rows: list[dict], fixed_rows: list[dict]):
     phases.set_ylabel("seconds")
     phases.set_title("iteration time by phase", fontsize=10)
     generation.plot(its, [r["seconds"]["generate"] for r in rows], marker="o", label="adaptive TP")
-    if fixed_rows:
-        generation.plot([r["iteration"] for r in fixed_rows], [r["seconds"]["generate"] for r in fixed_rows],
-                        marker="s", color="0.55", ls="--", label="fixed TP=1")
+    for tp, f in fixed_rows.items():
+        generation.plot([r["iteration"] for r in f], [r["seconds"]["generate"] for r in f], marker="s" if tp == 1
+                        else "^", **fixed_style(tp), label=f"fixed TP={tp}")
     generation.set_ylabel("seconds")
     generation.set_ylim(bottom=0)
     generation.set_title("generation", fontsize=10)
@@ -269,14 +290,17 @@ def save_figure(fig, path: Path, top: float = 1.0) -> str:
     return str(path)
 
 
-def write(run_dir: Path, job: RLHFJob, outcome: dict, baseline_dir: Path | None = None,
-          baseline_outcome: dict | None = None) -> Path:
-    """summary.json, the plots and the printed report of a run; with the baseline's folder (and its outcome), the
-    same job at fixed TP beside it."""
+def write(run_dir: Path, job: RLHFJob, outcome: dict, fixed: Mapping[int, tuple[Path, dict]] | None = None,
+          turns: list[list[str]] | None = None) -> Path:
+    """summary.json, the plots and the printed report of a run; with `fixed` (per TP size, the folder and outcome
+    of the same job at that fixed layout), adaptive against fixed TP=1 and against the best fixed layout; `turns`:
+    the order the runs took each iteration in."""
     rows = read_jsonl(run_dir / "metrics.jsonl")
     timeline = read_jsonl(run_dir / "timeline.jsonl")
-    fixed_rows = read_jsonl(baseline_dir / "metrics.jsonl") if baseline_dir is not None else []
-    fixed_timeline = read_jsonl(baseline_dir / "timeline.jsonl") if baseline_dir is not None else []
+    fixed = dict(sorted((fixed or {}).items()))
+    fixed_runs = {tp: (read_jsonl(d / "metrics.jsonl"), read_jsonl(d / "timeline.jsonl")) for tp, (d, _) in
+                  fixed.items()}
+    best = best_fixed({tp: f[0] for tp, f in fixed_runs.items()})
     summary = {
         "job": job.metadata.name,
         "run_dir": str(run_dir),
@@ -293,14 +317,21 @@ def write(run_dir: Path, job: RLHFJob, outcome: dict, baseline_dir: Path | None 
         "learning": learning(rows),
         "learning_score": learning(rows, "score_mean"),  # the reward function alone, without length shaping
         "per_iteration": rows,
-        "plots": plots(run_dir, rows, timeline, fixed_rows, fixed_timeline),
+        "plots": plots(run_dir, rows, timeline, fixed_runs),
     }
-    if baseline_dir is not None:
-        summary["adaptive_vs_fixed"] = {**compare(run_dir, baseline_dir),
-                                        "wall_seconds_fixed": (baseline_outcome or {}).get("seconds")}
+    if fixed:
+        summary["fixed_layouts"] = {str(tp): {
+            "run_dir": str(d), "wall_seconds": o.get("seconds"), "restarts": o.get("restarts", []),
+            "generate_seconds": sum(r["seconds"]["generate"] for r in fixed_runs[tp][0])}
+            for tp, (d, o) in fixed.items()}
+        summary["best_fixed_tp"] = best
+        summary["turns"] = turns
+        for key, tp in (("adaptive_vs_fixed_tp1", 1), ("adaptive_vs_best_fixed", best)):
+            if tp in fixed:
+                summary[key] = {"fixed_tp": tp, **compare(run_dir, fixed[tp][0])}
     path = run_dir / "summary.json"
     path.write_text(json.dumps(summary, indent=2))
-    print(table(rows, fixed_rows))
+    print(table(rows, {tp: f[0] for tp, f in fixed_runs.items()}))
     for name, lr in (("reward", summary["learning"]), ("score (reward function alone)", summary["learning_score"])):
         if lr.get("iterations_compared"):
             print(f"{name}: first {lr['iterations_compared']} iterations {lr['first_reward_mean']:.3f} -> last "
@@ -309,16 +340,25 @@ def write(run_dir: Path, job: RLHFJob, outcome: dict, baseline_dir: Path | None 
             for pod, d in summary["layouts"].items()}
     print(f"adaptive TP: {summary['regroups']} regroups; seconds generating per layout: {busy}")
     wall = f"wall {outcome['seconds']:.1f} s"
-    if baseline_dir is not None:
-        c = summary["adaptive_vs_fixed"]
-        print(f"generation, adaptive vs fixed TP=1: {c['generate_seconds_adaptive']:.2f} s vs "
-              f"{c['generate_seconds_fixed']:.2f} s in all; {c['responses_differing']} of "
-              f"{c['responses_compared']} responses differ")
-        if c["like_for_like_iterations"]:
-            print(f"  like for like (the {len(c['like_for_like_iterations'])} iterations whose responses have the "
-                  f"same lengths): {c['generate_seconds_like_for_like_adaptive']:.2f} s vs "
-                  f"{c['generate_seconds_like_for_like_fixed']:.2f} s (ratio {c['generate_ratio_like_for_like']:.3f})")
-        if c["wall_seconds_fixed"] is not None:
-            wall += f" (fixed TP=1: {c['wall_seconds_fixed']:.1f} s)"
+    if fixed:
+        print("fixed layouts, generation: " + ", ".join(f"TP={tp} {f['generate_seconds']:.2f} s" for tp, f in
+                                                        summary["fixed_layouts"].items())
+              + f"; the best fixed layout is TP={best}"
+              + (" (the runs took turns an iteration at a time, the order rotated every iteration)" if turns else ""))
+        if "adaptive_vs_fixed_tp1" in summary:
+            print_comparison("fixed TP=1", summary["adaptive_vs_fixed_tp1"])
+        print_comparison(f"the best fixed layout (TP={best})", summary["adaptive_vs_best_fixed"])
+        wall += " (all runs, side by side)" if turns else ""
     print(f"restarts: {len(outcome['restarts'])}; {wall}; plots: {', '.join(summary['plots'])}")
     return path
+
+
+def print_comparison(against: str, c: dict) -> None:
+    """The printed lines of one compare(): generation in all and like for like, and the tokens."""
+    print(f"generation, adaptive vs {against}: {c['generate_seconds_adaptive']:.2f} s vs "
+          f"{c['generate_seconds_fixed']:.2f} s in all; {c['responses_differing']} of {c['responses_compared']} "
+          f"responses differ")
+    if c["like_for_like_iterations"]:
+        print(f"  like for like (the {len(c['like_for_like_iterations'])} iterations whose responses have the same "
+              f"lengths): {c['generate_seconds_like_for_like_adaptive']:.2f} s vs "
+              f"{c['generate_seconds_like_for_like_fixed']:.2f} s (ratio {c['generate_ratio_like_for_like']:.3f})")

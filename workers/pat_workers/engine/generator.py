@@ -75,13 +75,18 @@ def _free_port() -> int:
 
 
 class LocalGenerator:
-    """`world` engine ranks as local processes (one per GPU when CUDA is present, else one per CPU core)."""
+    """`world` engine ranks as local processes (one per GPU when CUDA is present, else one per CPU core).
+
+    `layout`: the layout the ranks start in (default all TP=1), e.g. (2, 2) for a fixed TP=2 of 4 ranks; it must be
+    among the TP sizes the model allows. It changes only by `regroup` (or a failed group's fallback to TP=1)."""
 
     def __init__(self, model_dir: str, world: int, options: EngineOptions = EngineOptions(),
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, layout: Iterable[int] | None = None):
         self.model_dir, self.world, self.options, self.env = str(model_dir), world, options, env or {}
         self.config = ModelConfig.from_dir(model_dir)  # fails here, in the caller, on a bad model directory
-        self.layout: Layout = layouts.uniform(world)
+        self.start_layout: Layout = layouts.validate(layout or layouts.uniform(world), world,
+                                                     self.config.tp_sizes(world))
+        self.layout: Layout = self.start_layout
         self.epoch = 0
         self.metrics = EngineMetrics(options.max_seq)
         self.dead: set[int] = set()
@@ -115,7 +120,7 @@ class LocalGenerator:
         for rank in range(self.world):
             p = ctx.Process(target=rank_main, name=f"pat-rank-{rank}", daemon=True,
                             args=(rank, self.world, self.model_dir, self.options, init, self._commands,
-                                  self._events, self.env))
+                                  self._events, self.env, self.start_layout))
             p.start()
             self._procs.append(p)
         ready = 0

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from pat_operator.fit import DTYPE_BYTES, REGROUP_IN_FLIGHT, ModelShape, engine_working_bytes, read_shape
+from pat_operator.layout import Layout, group_of
 
 from .comm import BACKENDS, CommunicatorPool, nccl_env, process_group_options
 from . import faults
@@ -142,7 +143,9 @@ def _device_memory(device: torch.device, world: int) -> tuple[int, int]:
 
 
 def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_method: str,
-              commands: list, events, env: dict[str, str] | None = None) -> None:
+              commands: list, events, env: dict[str, str] | None = None, layout: Layout | None = None) -> None:
+    """One engine rank: loads the model, measures the costs, joins its group of `layout` (default TP=1) and serves
+    the commands of that group's leader until told to stop."""
     os.environ.update(env or {})
     try:
         torch.set_num_threads(opts.threads)
@@ -168,6 +171,8 @@ def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_m
             engine = Engine(model, pool, max_batch=opts.max_batch, max_seq=opts.max_seq, kv_blocks=kv_blocks,
                             block_size=opts.block_size)
             costs = measure(model, pool, tp_sizes, batches, engine.kv, engine.static_shapes)
+            if layout is not None:  # the starting layout: nothing is cached yet, so a group is all it takes
+                engine.join(group_of(layout, rank))
             events.put(("ready", rank, costs if rank == 0 else None, tp_sizes))
             _serve(engine, costs, opts, commands[rank], events)
         pool.close()

@@ -45,11 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", help="offline T(tp, batch, context) profile JSON (Profile.to_json); default: measured")
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (default: the model directory)")
     ap.add_argument("--tp-sizes", help="comma-separated TP sizes plans may use, e.g. 1,2 (default: all)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="engine pat: the fixed layout, ranks / this "
+                    "many TP groups of this size (with --controller operator: no plans are taken); engine vllm: "
+                    "the TP of each vLLM engine, the pod runs ranks / this many engines")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--comm-backend", choices=("auto", "shm", "gloo", "nccl"), default="auto")
     vllm = ap.add_argument_group("--engine vllm")
-    vllm.add_argument("--tensor-parallel-size", type=int, default=1, help="TP of each vLLM engine: the pod runs "
-                      "ranks / this many engines")
     vllm.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     vllm.add_argument("--max-model-len", type=int, default=512)
     vllm.add_argument("--enforce-eager", action="store_true")
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                                     memory_utilization=args.memory_utilization, kv_cache_bytes=args.kv_cache_bytes)
             tp_sizes = tuple(int(t) for t in args.tp_sizes.split(",")) if args.tp_sizes else None
             pod = Coordinator(PodConfig(args.model, args.ranks, options, args.controller, args.margin,
-                                        args.cooldown_steps, args.guard, args.profile, args.tokenizer, tp_sizes))
+                                        args.cooldown_steps, args.guard, args.profile, args.tokenizer, tp_sizes,
+                                        args.tensor_parallel_size))
             app = make_app(pod, token)
     except (OSError, ValueError) as e:  # a bad model directory, option or profile file
         print(f"pat generator: {e}", file=sys.stderr)

@@ -57,6 +57,7 @@ class PodConfig:
     profile: str | None = None  # an offline T(tp, batch, context) profile (Profile.to_json); default: measured at start
     tokenizer_dir: str | None = None  # default: the model directory's tokenizer.json
     tp_sizes: tuple[int, ...] | None = None  # the TP sizes plans may use; default: all the model allows
+    tp: int = 1  # above 1: a fixed layout of ranks / tp groups of tp ranks (generator.tensorParallelSize), no plans
 
 
 @dataclass
@@ -82,8 +83,15 @@ class Coordinator:
             raise ValueError(f"ranks={config.ranks}: use 1 or more (one engine rank per device)")
         if config.controller not in ("pod", "operator"):
             raise ValueError(f"controller={config.controller!r}: use pod (plans its own regroups) or operator")
+        if config.tp < 1 or config.tp & (config.tp - 1) or config.ranks % config.tp:
+            raise ValueError(f"--tensor-parallel-size={config.tp} must be a power of two dividing --ranks="
+                             f"{config.ranks}")
+        if config.tp > 1 and config.controller == "pod":
+            raise ValueError(f"--tensor-parallel-size={config.tp} is a fixed layout: the pod plans no regroups; use "
+                             f"--controller operator (generator.adaptiveTP.enabled: false)")
         self._offline_profile = _read_profile(config.profile) if config.profile else None
-        self.gen = LocalGenerator(config.model_dir, config.ranks, config.options, env)
+        self.gen = LocalGenerator(config.model_dir, config.ranks, config.options, env,
+                                  layouts.uniform(config.ranks, config.tp))
         self.tokenizer = load_tokenizer(config.tokenizer_dir or config.model_dir)
         self.ready = threading.Event()  # ranks up and profiled
         self.failure: str | None = None  # why the thread stopped, if it failed
@@ -360,7 +368,7 @@ class Coordinator:
                                                    self._predictor, self.costs)
         else:  # the operator's plans are for a batch's tail: each batch starts in the base layout
             decision = Decision(None, 0.0, 0.0, 0.0, "a new batch starts in the base layout")
-        target = decision.layout or layouts.uniform(self.gen.world)
+        target = decision.layout or self.gen.start_layout  # all TP=1, or the fixed layout
         if target != self.gen.layout:
             self._apply(replace(decision, layout=target))  # the pod is idle: nothing to move
         self.gen.submit(requests)
@@ -391,6 +399,9 @@ class Coordinator:
         if self.config.controller != "operator":
             raise Conflict("this pod plans its own regroups (adaptiveTP.controller=pod); set adaptiveTP.controller"
                            "=operator for the operator's plans to apply")
+        if self.config.tp > 1:
+            raise Conflict(f"this pod runs a fixed layout {list(self.gen.start_layout)} (generator.tensorParallelSize"
+                           f"={self.config.tp}, adaptive TP off): it takes no plans")
         if self.gen.weights_pending is not None:
             raise Conflict(f"the ranks are receiving the weights of version {self.gen.weights_pending}; retry once "
                            f"GET /v1/state shows that policy_version")

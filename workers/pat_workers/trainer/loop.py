@@ -34,6 +34,7 @@ from pat_operator.podclient import PodClient
 
 from ..engine.loader import load_tokenizer
 from ..report import read_jsonl
+from ..turns import Turn
 from ..weightsync import WeightSender
 from . import checkpoint, data, grpo
 from .policy import Policy, full_weights, sharded_policy
@@ -131,6 +132,7 @@ class Trainer:
             self.metrics = TrainerMetrics(bind or host, metrics_port)
             self.loop = asyncio.new_event_loop()
             self.sender: WeightSender | None = None
+            self.turn = Turn.from_env()  # `pat run --baseline`: the variants take turns, an iteration each
             (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
         self._resume()
 
@@ -163,6 +165,8 @@ class Trainer:
             self._wait_ready()
         self._sync_weights(self.iteration, only_if_behind=True)
         while self.iteration < self.alg.iterations:
+            if self.rank == 0 and self.turn is not None:
+                self.turn.wait(self.iteration + 1)
             self.step()
         dist.barrier()
         dist.destroy_process_group()
