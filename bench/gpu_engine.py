@@ -410,14 +410,16 @@ def profile(result: dict, model: Transformer, clock: Clock, gpu: fit.GPU, smoke:
         PROFILE_BATCHES, PROFILE_CONTEXTS, PROFILE_PREFILLS, 20)
     shape = fit.tiny_shape("test") if smoke else fit.SHAPES["llama-3.1-8b"]
     shards: dict = {"decode": {}, "prefill": {}}
+    # One pool per TP size, for the largest case, reused by every case (the engine's pool is one size too: a pool of
+    # another size would recompile the attention)
+    blocks = max(max(batches) * -(-(max(contexts) + 1) // bs), -(-max(prefills) // bs)) + 1
     for tp in cfg.tp_sizes(8):
         shard, comm = model.shard(tp, 0), SoloCommunicator(0)
         decode: dict = {}
         prefill: dict = {}
         shards["decode"][str(tp)], shards["prefill"][str(tp)] = decode, prefill
+        kv = PagedKV(cfg, blocks, bs, cfg.num_kv_heads // tp, model.dtype, device)
         for context in contexts:
-            kv = PagedKV(cfg, max(batches) * -(-(context + 1) // bs) + 1, bs, cfg.num_kv_heads // tp, model.dtype,
-                         device)
             decode[str(context)] = {}
             for batch in batches:
                 kv.reset()
@@ -426,14 +428,13 @@ def profile(result: dict, model: Transformer, clock: Clock, gpu: fit.GPU, smoke:
                 start = torch.full((batch,), context, dtype=torch.long, device=device)
                 step = functools.partial(model.forward, shard, comm, kv, tokens, start, tables)
                 decode[str(context)][str(batch)] = shard_seconds(step, clock, reps, graph=True)
-            del kv
         for n in prefills:
-            kv = PagedKV(cfg, -(-n // bs) + 1, bs, cfg.num_kv_heads // tp, model.dtype, device)
+            kv.reset()
             tables, tokens = kv.tables_for(1, n, 1), torch.zeros(1, n, dtype=torch.long, device=device)
             start = torch.zeros(1, dtype=torch.long, device=device)
             step = functools.partial(model.forward, shard, comm, kv, tokens, start, tables)
             prefill[str(n)] = shard_seconds(step, clock, max(reps // 4, 2), graph=False)
-            del kv
+        del kv
         print(f"profile: TP={tp} shard: " + "; ".join(
             f"context {c}: " + " ".join(f"b{b} {t * 1e3:.3f}" for b, t in row.items()) for c, row in decode.items())
             + " ms; prefill " + " ".join(f"{n}: {t * 1e3:.2f}" for n, t in prefill.items()) + " ms", flush=True)
