@@ -135,11 +135,10 @@ def host_seconds(model: Transformer, contexts: list[int], block_size: int, max_s
     """A decode step's host part: its inputs (tokens, positions, block tables, sampling parameters) and the attention's
     block mask, built from the engine's request lists (the forward and sampling excluded)."""
     engine = decode_engine(model, contexts, block_size, max_seq, len(contexts), temperature=1.0)
-    bs = engine.kv.block_size
 
     def build():
         tokens, positions, tables, *_ = engine.decode_inputs(engine.running)
-        decode_mask(tables.flatten(0, 1), positions.repeat_interleave(tables.shape[1]), engine.kv.num_blocks, bs)
+        decode_mask(engine.kv, tables.flatten(0, 1), positions.repeat_interleave(tables.shape[1]))
     return fastest(build, repeats=repeats)[0]
 
 

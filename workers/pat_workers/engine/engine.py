@@ -81,7 +81,8 @@ class Engine:
             raise ValueError(f"a KV cache of {kv_blocks} blocks cannot hold one sequence of max_seq={max_seq} tokens "
                              f"({self.blocks_per_seq * self.max_tp} blocks + 1 scratch): give the cache more memory "
                              f"or lower max_seq")
-        self.kv = PagedKV(cfg, kv_blocks, block_size, cfg.num_kv_heads // self.max_tp, model.dtype, model.device)
+        self.kv = PagedKV(cfg, kv_blocks, block_size, cfg.num_kv_heads // self.max_tp, model.dtype, model.device,
+                          mask_rows=max_batch * self.max_tp)  # a step's rows x head groups, at any TP
         self.tables: dict[str, list[list[int]]] = {}  # request id -> its blocks here, per head group held
         self.running: list[Request] = []  # admission order: the last is the first preempted
         self.waiting: deque[Request] = deque()

@@ -25,13 +25,14 @@ class KVFull(RuntimeError):
 
 class PagedKV:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, heads_per_block: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype, device: str | torch.device = "cpu", mask_rows: int = 0):
         if num_blocks < 2:
             raise ValueError(f"a paged KV cache needs 2 or more blocks (one is scratch), got {num_blocks}")
         self.block_size, self.heads_per_block = block_size, heads_per_block
         # Head-major, so that a layer's keys are one [heads, slots, head_dim] tensor that attention reads in place.
         self.shape = (cfg.num_layers, 2, heads_per_block, num_blocks, block_size, cfg.head_dim)
         self.dtype, self.device = dtype, torch.device(device)
+        self.mask_rows = mask_rows  # rows (requests x head groups) of a decode step's block mask kept allocated
         self.data = torch.empty(0)
         self.acquire_memory()
 
@@ -45,6 +46,7 @@ class PagedKV:
         block free."""
         if not self.memory_held:
             self.data = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self._mask = torch.zeros(3, self.mask_rows, 1, 1, self.num_blocks, dtype=torch.int32, device=self.device)
         self.reset()
 
     def release_memory(self) -> None:
@@ -54,6 +56,17 @@ class PagedKV:
             raise RuntimeError(f"{sum(r > 0 for r in self.refs[1:])} KV block(s) are in use: release the pool "
                                f"between batches")
         self.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._mask = None
+
+    def mask_indices(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Three int32 [rows, 1, 1, max(num_blocks, width)] tensors for a decode step's block mask
+        (model.decode_mask): views of buffers kept with the pool, so that a step does not allocate them and a captured
+        graph keeps their address; fresh ones beyond mask_rows rows, or for a table wider than the pool (a
+        profile's)."""
+        if rows <= self.mask_rows and width <= self.num_blocks:
+            return self._mask[0, :rows], self._mask[1, :rows], self._mask[2, :rows]
+        return tuple(torch.zeros(rows, 1, 1, max(self.num_blocks, width), dtype=torch.int32, device=self.device)
+                     for _ in range(3))
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, heads_per_block: int, element_size: int) -> int:

@@ -124,6 +124,22 @@ def layer_shard(w: Mapping[str, torch.Tensor], fused: Mapping[str, torch.Tensor]
         q_norm=w.get(prefix + "self_attn.q_norm.weight"), k_norm=w.get(prefix + "self_attn.k_norm.weight"))
 
 
+def unfused_layer(w: Mapping[str, torch.Tensor], prefix: str) -> LayerShard:
+    """One whole layer from separate Hugging Face weights (the trainer's parameters, which FSDP2 shards by name):
+    q/k/v and gate/up concatenated at each call, through autograd, into the fused shapes the functions below take."""
+    def cat(names: tuple[str, ...], kind: str) -> torch.Tensor | None:
+        parts = [w.get(f"{prefix}{n}.{kind}") for n in names]
+        return None if parts[0] is None else torch.cat(parts)
+    qkv, gate_up = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")
+    return LayerShard(
+        input_norm=w[prefix + "input_layernorm.weight"], post_norm=w[prefix + "post_attention_layernorm.weight"],
+        wqkv=cat(qkv, "weight"), wo=w[prefix + "self_attn.o_proj.weight"], w_gate_up=cat(gate_up, "weight"),
+        w_down=w[prefix + "mlp.down_proj.weight"], chunks=1, bqkv=cat(qkv, "bias"),
+        bo=w.get(prefix + "self_attn.o_proj.bias"), b_gate_up=cat(gate_up, "bias"),
+        b_down=w.get(prefix + "mlp.down_proj.bias"), q_norm=w.get(prefix + "self_attn.q_norm.weight"),
+        k_norm=w.get(prefix + "self_attn.k_norm.weight"))
+
+
 def attention_inputs(cfg: ModelConfig, layer: LayerShard, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [B, T, heads, d], k and v [B, T, kv_heads, d] of normed hidden states h [B, T, hidden], RoPE applied
@@ -173,10 +189,10 @@ def _(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     return None
 
 
-# FlexAttention runs compiled or not at all: uncompiled, it materialises every score of the whole pool. One compile
-# per process serves every batch and TP size: the rows are dynamic (paged_decode_attention marks them), a row's heads
-# are the same at every TP size, and the pool's length stays static (inductor's CPU template miscompiles a symbolic
-# KV length: "cur_kvSplitSize1 was not declared").
+# FlexAttention, compiled: uncompiled, it materialises every score of the whole pool. One compile per process serves
+# every batch and TP size: the rows are dynamic (paged_decode_attention marks them), a row's heads are the same at
+# every TP size, and the pool's length stays static (inductor's CPU template miscompiles a symbolic KV length:
+# "cur_kvSplitSize1 was not declared").
 _flex_attention = torch.compile(flex_attention)
 
 
@@ -184,44 +200,52 @@ _flex_attention = torch.compile(flex_attention)
 class DecodeMask:
     """The block mask of a decode step as plain tensors (see decode_mask), so that it crosses the op boundary."""
 
-    partial: torch.Tensor  # [R, 1, 1, pool blocks] int32: the last block of each row first
+    partial: torch.Tensor  # [R, 1, 1, >= pool blocks] int32: the row's last block first
     full_counts: torch.Tensor  # [R, 1, 1] int32: whole blocks before it
-    full: torch.Tensor  # [R, 1, 1, pool blocks] int32: the row's table first
-    offsets: torch.Tensor  # [R]: the last position's offset in the last block
+    full: torch.Tensor  # [R, 1, 1, >= pool blocks] int32: the row's table first
+    logical: torch.Tensor  # [R, 1, 1, >= pool blocks] int32: each block's index in the row's table, or -1
+    positions: torch.Tensor  # [R]: the position each row attends up to
     block_size: int
 
 
-def decode_mask(tables: torch.Tensor, positions: torch.Tensor, pool_blocks: int, block_size: int) -> DecodeMask:
+def decode_mask(kv: PagedKV, tables: torch.Tensor, positions: torch.Tensor) -> DecodeMask:
     """The block mask of a decode step: row r (a row's head group) attends to its blocks tables[r, :n] whole but the
     last, and in the last to the positions up to positions[r]. Each row costs its own length. tables [R, W] (padding:
-    any block id), positions [R]."""
+    block 0, scratch), positions [R]."""
     rows, width = tables.shape
-    last = torch.div(positions, block_size, rounding_mode="floor")  # index of the last block in each table
-    # CPU's kernel wants the index tensors as wide as the pool (or the table, where a profile's table repeats ids);
-    # only the first entries of each row are read.
-    full = torch.zeros(rows, 1, 1, max(pool_blocks, width), dtype=torch.int32, device=tables.device)
+    bs = kv.block_size
+    last = torch.div(positions, bs, rounding_mode="floor")  # index of the last block in each table
+    # CPU's kernel wants the index tensors as wide as the pool; it reads only each row's first entries of the two
+    # block lists, which are written here; `logical` is read wherever the mask function is asked, so it is refilled.
+    full, partial, logical = kv.mask_indices(rows, width)
     full[:, 0, 0, :width] = tables
-    partial = torch.zeros_like(full)
     partial[:, 0, 0, :1] = tables.gather(1, last[:, None])
-    return DecodeMask(partial, last.to(torch.int32).view(rows, 1, 1), full, positions % block_size, block_size)
+    logical.fill_(-1)
+    index = torch.arange(width, dtype=torch.int32, device=tables.device).expand(rows, width)
+    logical[:, 0, 0].scatter_(1, tables, torch.where(tables > 0, index, -1))  # scratch (padding) stays -1
+    return DecodeMask(partial, last.to(torch.int32).view(rows, 1, 1), full, logical, positions, bs)
 
 
 @torch.library.custom_op("pat::paged_decode_attention", mutates_args=())
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, partial: torch.Tensor,
-                           full_counts: torch.Tensor, full: torch.Tensor, offsets: torch.Tensor, block_size: int
-                           ) -> torch.Tensor:
+                           full_counts: torch.Tensor, full: torch.Tensor, logical: torch.Tensor,
+                           positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Attention of one new token per row over its own KV blocks, read in place: q [R, heads, 1, d] (R = rows x head
     groups), keys and values [heads_per_block, slots, d] (the pool of one layer), the mask's tensors (DecodeMask).
 
     An op of its own: a compiled step calls the compiled kernel as one extern call (inductor's CPU template fails to
-    build inside larger graphs), and a CUDA graph captures its kernels. The mask function is asked only about each
-    row's last block, the others being full: exact because FlexAttention runs compiled only."""
-    def within(b, h, q_idx, kv_idx):
-        return kv_idx % block_size <= offsets[b]
-    for rows in (q, partial, full_counts, full, offsets):
+    build inside larger graphs), and a CUDA graph captures its kernels. The compiled kernel asks the mask function
+    only about each row's last block (the others are listed full); the function is exact everywhere all the same, so
+    that FlexAttention's uncompiled path (after too many recompiles) is slow but right."""
+    def attends(b, h, q_idx, kv_idx):
+        j = logical[b, 0, 0, kv_idx // block_size]
+        return (j >= 0) & (j * block_size + kv_idx % block_size <= positions[b])
+    for rows in (q, partial, full_counts, full, logical, positions):
         torch._dynamo.maybe_mark_dynamic(rows, 0)
+    for t in (keys, values):  # a symbolic pool length or head size miscompiles on CPU: recompile instead
+        torch._dynamo.mark_static(t)
     mask = BlockMask.from_kv_blocks(torch.ones_like(full_counts), partial, full_counts, full,
-                                    BLOCK_SIZE=(128, block_size), mask_mod=within,
+                                    BLOCK_SIZE=(128, block_size), mask_mod=attends,
                                     seq_lengths=(1, keys.shape[1]), compute_q_blocks=False)
     try:
         return _flex_attention(q, keys[None], values[None], block_mask=mask, enable_gqa=True)
@@ -231,7 +255,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 @paged_decode_attention.register_fake
-def _(q, keys, values, partial, full_counts, full, offsets, block_size):
+def _(q, keys, values, partial, full_counts, full, logical, positions, block_size):
     return torch.empty_like(q)
 
 
@@ -296,8 +320,7 @@ class Transformer:
         # The slot of each (row, head group, position): [B, g, T].
         slots = (torch.gather(tables, 2, (positions // bs)[:, None].expand(b, g, t)) * bs
                  + (positions % bs)[:, None]).flatten()
-        mask = decode_mask(tables.flatten(0, 1), positions.repeat_interleave(g, 0)[:, 0], kv.num_blocks, bs) \
-            if t == 1 else None
+        mask = decode_mask(kv, tables.flatten(0, 1), positions.repeat_interleave(g, 0)[:, 0]) if t == 1 else None
         hpb, rep = shard.num_kv_heads // g, shard.num_heads // shard.num_kv_heads
         rows = torch.arange(b, device=tokens.device)[:, None]
         x = self.w["model.embed_tokens.weight"][tokens]

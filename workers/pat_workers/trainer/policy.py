@@ -27,7 +27,7 @@ from pat_operator.fit import LOSS_CHUNK_TOKENS
 
 from ..engine.config import ModelConfig
 from ..engine.loader import load_weights, weight_shapes
-from ..engine.model import attention_inputs, layer_shard, mlp, rms_norm, rope_tables
+from ..engine.model import attention_inputs, mlp, rms_norm, rope_tables, unfused_layer
 
 
 class ResponseLogprobs(NamedTuple):
@@ -51,7 +51,7 @@ class Block(torch.nn.Module):
 
     def _layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cfg, (b, t, _) = self.cfg, x.shape
-        layer = layer_shard(dict(self.named_parameters()), "")  # read here: FSDP swaps in the gathered weights
+        layer = unfused_layer(dict(self.named_parameters()), "")  # read here: FSDP swaps in the gathered weights
         q, k, v = attention_inputs(cfg, layer, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin,
                                    cfg.num_heads, cfg.num_kv_heads)
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
