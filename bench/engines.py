@@ -18,7 +18,7 @@ venv (scripts/vllm-venv.sh; PAT_VLLM_PYTHON or --vllm-python for another), float
 cache, prefix caching off (this engine has none; repeats would hit it).
 
 Prints a table and, last, one JSON line (`pat_adaptive_over_vllm_best`: adaptive's seconds over the faster vLLM
-layout's). Not a test: it measures. About 6 minutes on 2 cores (4 vLLM starts of ~23 s); --quick about 70 s.
+layout's; `pat_best_fixed_over_vllm_best`: this engine's faster fixed layout over it; targets <= 1.10 both). Not a test: it measures. About 6 minutes on 2 cores (4 vLLM starts of ~23 s); --quick about 70 s.
   python bench/engines.py            # 32 sequences, cap 512, 2 runs per layout
   python bench/engines.py --quick    # 8 sequences, cap 64
 """
@@ -314,8 +314,11 @@ def main() -> int:
     print(f"\nvLLM TP2 vs pat 2xTP1 greedy tokens: {same}/{len(lengths)} sequences identical, {100 * prefix:.0f}% of "
           f"tokens before the first difference on average (float32 both; different kernels break near-ties "
           f"differently). Whole run: {wall:.0f} s; load average {os.getloadavg()[0]:.2f}")
+    pat_best = min(("pat 2xTP1", "pat TP2"), key=lambda k: results[k]["seconds"])
     summary = {
         "pat_adaptive_over_vllm_best": round(results["pat adaptive"]["seconds"] / best_s, 4),
+        "pat_best_fixed_over_vllm_best": round(results[pat_best]["seconds"] / best_s, 4),
+        "pat_best_fixed": pat_best,
         "vllm_best": vllm_best,
         "layouts": {k: {"seconds": round(r["seconds"], 3), "tokens_per_s": round(r["tokens_per_s"], 1),
                         "runs": [round(s, 3) for s in r["runs"]], "start_s": round(r["start_s"], 1),
