@@ -22,6 +22,8 @@ import pytest
 import torch
 import yaml
 
+from pat_workers.report import compare
+
 from ..procs import children
 from ..runs import ROOT, final_weights, pat, rollouts, rows
 
@@ -148,9 +150,10 @@ def test_adaptive_tp_on_and_off_greedy_give_identical_tokens(tmp_path):
     # --baseline: fixed TP=1 and fixed TP=2 (the largest the 2 ranks allow), in turns, the order rotated
     assert summary["turns"] == [["job", "fixed-tp1", "fixed-tp2"], ["fixed-tp1", "fixed-tp2", "job"]]
     assert sorted(summary["fixed_layouts"]) == ["1", "2"] and summary["best_fixed_tp"] in (1, 2)
-    for tp in (1, 2):  # each fixed run kept its layout: no regroup, every batch in TP=tp groups
+    for tp in (1, 2):  # each fixed run kept its layout (no regroup, every batch in TP=tp groups); the same tokens
         fixed = rows(run_dir / f"fixed-tp{tp}")
         assert [r["layouts"] for r in fixed] == [[[tp] * (2 // tp)]] * 2 and sum(r["regroups"] for r in fixed) == 0
+        assert compare(run_dir, run_dir / f"fixed-tp{tp}")["identical_tokens"]
     samples = yaml.safe_load(job.read_text())["spec"]["algorithm"]["samplesPerPrompt"]
     for key in ("adaptive_vs_fixed_tp1", "adaptive_vs_best_fixed"):
         compared = summary[key]
