@@ -46,7 +46,7 @@ class PagedKV:
         block free."""
         if not self.memory_held:
             self.data = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-            self._mask = torch.zeros(3, self.mask_rows, 1, 1, self.num_blocks, dtype=torch.int32, device=self.device)
+            self._mask = torch.zeros(2, self.mask_rows, 1, 1, self.num_blocks, dtype=torch.int32, device=self.device)
         self.reset()
 
     def release_memory(self) -> None:
@@ -58,15 +58,15 @@ class PagedKV:
         self.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self._mask = None
 
-    def mask_indices(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Three int32 [rows, 1, 1, max(num_blocks, width)] tensors for a decode step's block mask
-        (model.decode_mask): views of buffers kept with the pool, so that a step does not allocate them and a captured
-        graph keeps their address; fresh ones beyond mask_rows rows, or for a table wider than the pool (a
-        profile's)."""
+    def mask_indices(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two int32 [rows, 1, 1, max(num_blocks, width)] tensors for a decode step's block mask (model.decode_mask):
+        views of buffers kept with the pool, so that a step neither allocates nor clears them (the kernel reads only
+        each row's first entries, which the step writes) and a captured graph keeps their address; fresh ones beyond
+        mask_rows rows, or for a table wider than the pool (a profile's)."""
         if rows <= self.mask_rows and width <= self.num_blocks:
-            return self._mask[0, :rows], self._mask[1, :rows], self._mask[2, :rows]
-        return tuple(torch.zeros(rows, 1, 1, max(self.num_blocks, width), dtype=torch.int32, device=self.device)
-                     for _ in range(3))
+            return self._mask[0, :rows], self._mask[1, :rows]
+        full = torch.zeros(rows, 1, 1, max(self.num_blocks, width), dtype=torch.int32, device=self.device)
+        return full, torch.zeros_like(full)
 
     @staticmethod
     def block_bytes(cfg: ModelConfig, block_size: int, heads_per_block: int, element_size: int) -> int:

@@ -189,10 +189,14 @@ def _(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     return None
 
 
-# FlexAttention, compiled: uncompiled, it materialises every score of the whole pool. One compile per process serves
+# FlexAttention runs compiled or not at all: uncompiled, it materialises every score of the whole pool and asks the
+# mask function about every block (paged_decode_attention's answers only for the last). One compile per pool serves
 # every batch and TP size: the rows are dynamic (paged_decode_attention marks them), a row's heads are the same at
-# every TP size, and the pool's length stays static (inductor's CPU template miscompiles a symbolic KV length:
-# "cur_kvSplitSize1 was not declared").
+# every TP size, and the pool's length and head size stay static (inductor's CPU template miscompiles a symbolic KV
+# length: "cur_kvSplitSize1 was not declared"). Past the recompile limit torch would run it uncompiled: that must
+# fail instead, and the limit allows a process many pools (tests, benchmarks; a serving rank has one).
+torch._dynamo.config.fail_on_recompile_limit_hit = True
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 _flex_attention = torch.compile(flex_attention)
 
 
@@ -203,8 +207,7 @@ class DecodeMask:
     partial: torch.Tensor  # [R, 1, 1, >= pool blocks] int32: the row's last block first
     full_counts: torch.Tensor  # [R, 1, 1] int32: whole blocks before it
     full: torch.Tensor  # [R, 1, 1, >= pool blocks] int32: the row's table first
-    logical: torch.Tensor  # [R, 1, 1, >= pool blocks] int32: each block's index in the row's table, or -1
-    positions: torch.Tensor  # [R]: the position each row attends up to
+    offsets: torch.Tensor  # [R]: the last position's offset in the last block
     block_size: int
 
 
@@ -215,37 +218,34 @@ def decode_mask(kv: PagedKV, tables: torch.Tensor, positions: torch.Tensor) -> D
     rows, width = tables.shape
     bs = kv.block_size
     last = torch.div(positions, bs, rounding_mode="floor")  # index of the last block in each table
-    # CPU's kernel wants the index tensors as wide as the pool; it reads only each row's first entries of the two
-    # block lists, which are written here; `logical` is read wherever the mask function is asked, so it is refilled.
-    full, partial, logical = kv.mask_indices(rows, width)
+    # CPU's kernel wants the index tensors as wide as the pool; it reads only each row's first entries.
+    full, partial = kv.mask_indices(rows, width)
     full[:, 0, 0, :width] = tables
     partial[:, 0, 0, :1] = tables.gather(1, last[:, None])
-    logical.fill_(-1)
-    index = torch.arange(width, dtype=torch.int32, device=tables.device).expand(rows, width)
-    logical[:, 0, 0].scatter_(1, tables, torch.where(tables > 0, index, -1))  # scratch (padding) stays -1
-    return DecodeMask(partial, last.to(torch.int32).view(rows, 1, 1), full, logical, positions, bs)
+    return DecodeMask(partial, last.to(torch.int32).view(rows, 1, 1), full, positions % bs, bs)
 
 
 @torch.library.custom_op("pat::paged_decode_attention", mutates_args=())
 def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, partial: torch.Tensor,
-                           full_counts: torch.Tensor, full: torch.Tensor, logical: torch.Tensor,
-                           positions: torch.Tensor, block_size: int) -> torch.Tensor:
+                           full_counts: torch.Tensor, full: torch.Tensor, offsets: torch.Tensor, block_size: int
+                           ) -> torch.Tensor:
     """Attention of one new token per row over its own KV blocks, read in place: q [R, heads, 1, d] (R = rows x head
     groups), keys and values [heads_per_block, slots, d] (the pool of one layer), the mask's tensors (DecodeMask).
 
     An op of its own: a compiled step calls the compiled kernel as one extern call (inductor's CPU template fails to
     build inside larger graphs), and a CUDA graph captures its kernels. The compiled kernel asks the mask function
-    only about each row's last block (the others are listed full); the function is exact everywhere all the same, so
-    that FlexAttention's uncompiled path (after too many recompiles) is slow but right."""
-    def attends(b, h, q_idx, kv_idx):
-        j = logical[b, 0, 0, kv_idx // block_size]
-        return (j >= 0) & (j * block_size + kv_idx % block_size <= positions[b])
-    for rows in (q, partial, full_counts, full, logical, positions):
+    only about each row's last block (the others are listed full), which is all it answers for: FlexAttention's
+    uncompiled path would ask it about every block, so it must never run (see _flex_attention). An exact function
+    would index a table by kv_idx, which inductor's CPU template miscompiles with dynamic rows ("cur_kvSplitSize9 was
+    not declared")."""
+    def within(b, h, q_idx, kv_idx):
+        return kv_idx % block_size <= offsets[b]
+    for rows in (q, partial, full_counts, full, offsets):
         torch._dynamo.maybe_mark_dynamic(rows, 0)
     for t in (keys, values):  # a symbolic pool length or head size miscompiles on CPU: recompile instead
         torch._dynamo.mark_static(t)
     mask = BlockMask.from_kv_blocks(torch.ones_like(full_counts), partial, full_counts, full,
-                                    BLOCK_SIZE=(128, block_size), mask_mod=attends,
+                                    BLOCK_SIZE=(128, block_size), mask_mod=within,
                                     seq_lengths=(1, keys.shape[1]), compute_q_blocks=False)
     try:
         return _flex_attention(q, keys[None], values[None], block_mask=mask, enable_gqa=True)
@@ -255,7 +255,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 @paged_decode_attention.register_fake
-def _(q, keys, values, partial, full_counts, full, logical, positions, block_size):
+def _(q, keys, values, partial, full_counts, full, offsets, block_size):
     return torch.empty_like(q)
 
 
