@@ -326,12 +326,12 @@ def decode_case(result: dict, model: Transformer, case: DecodeCase, clock: Clock
                         "decode_ms": round(device_time * 1e3, 3), "context": round(statistics.mean(attended)
                                                                                     / case.batch),
                         "tokens_per_s": round(case.batch / step, 1), "bytes_per_step": read_weights + kv_bytes,
-                        "roofline_ms": round(roofline * 1e3, 3), "roofline_fraction": round(roofline / step, 4),
+                        "roofline_ms": round(roofline * 1e3, 3), "roofline_fraction": round(roofline / step, 6),
                         "kv_slots_read": case.batch * inputs[2].shape[-1] * engine.kv.block_size}
     captured = result["captured"]
     host_ms = captured["step_ms"] - captured["decode_ms"]
     captured.update(host_ms=round(host_ms, 3), decode_roofline_fraction=round(
-        captured["roofline_ms"] / captured["decode_ms"], 4))
+        captured["roofline_ms"] / captured["decode_ms"], 6))
     result.update(graph_speedup=round(result["eager"]["step_ms"] / captured["step_ms"], 3),
                   graphs=len(engine._graphs), target_roofline=case.target, target_host_ms=TARGETS["host_ms"],
                   pass_roofline=captured["roofline_fraction"] >= case.target,
