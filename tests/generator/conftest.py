@@ -143,7 +143,8 @@ class Reference:
 
     def __init__(self, model_dir: Path, weights: dict | None = None):
         cfg, loaded = load_model(model_dir)
-        self.model = Transformer(cfg, weights if weights is not None else loaded)
+        # The model takes the dict over (its fused weights replace entries): the caller's stays as it was.
+        self.model = Transformer(cfg, dict(weights) if weights is not None else loaded)
         self.tokenizer = load_tokenizer(model_dir)
 
     def __call__(self, payloads: list[dict]) -> dict[str, Request]:

@@ -268,6 +268,8 @@ def fuse_chunks(cfg: ModelConfig) -> int:
 
 class Transformer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+        """Takes `weights` over: its q/k/v and gate/up entries become views of the fused tensors (fuse_layer), so
+        that the separate tensors are freed. A caller that uses the dict afterwards passes a copy."""
         self.cfg = cfg
         self.w = weights
         self.device = weights["model.embed_tokens.weight"].device
