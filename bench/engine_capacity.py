@@ -138,7 +138,7 @@ def host_seconds(model: Transformer, contexts: list[int], block_size: int, max_s
 
     def build():
         tokens, positions, tables, *_ = engine.decode_inputs(engine.running)
-        decode_mask(engine.kv, tables.flatten(0, 1), positions.repeat_interleave(tables.shape[1]))
+        decode_mask(engine.kv, tables, positions)
     return fastest(build, repeats=repeats)[0]
 
 

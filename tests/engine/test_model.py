@@ -67,7 +67,7 @@ def test_paged_decode_attention_reads_each_rows_own_blocks():
     tables = torch.tensor([[7, 0, 0, 0], [3, 9, 2, 0], [12, 11, 10, 30], [5, 6, 0, 0]])
     positions = torch.tensor([2, 9, 15, 4])
     q = torch.randn(4, heads * rep, 1, 16, generator=g)
-    got = paged_decode_attention(q, keys, values, *vars(decode_mask(kv, tables, positions)).values())
+    got = paged_decode_attention(q, keys, values, *vars(decode_mask(kv, tables[:, None], positions)).values())
 
     def expected(row: int, position: int) -> torch.Tensor:
         slots = (tables[row, :, None] * bs + torch.arange(bs)).flatten()[:position + 1]

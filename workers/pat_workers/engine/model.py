@@ -103,6 +103,14 @@ def fuse_layer(cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, chunks
     return fused
 
 
+def _whole(w: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor | None]:
+    """What every rank holds whole of a layer at any TP: the norms, and the biases added after an all-reduce."""
+    return dict(input_norm=w[prefix + "input_layernorm.weight"],
+                post_norm=w[prefix + "post_attention_layernorm.weight"],
+                bo=w.get(prefix + "self_attn.o_proj.bias"), b_down=w.get(prefix + "mlp.down_proj.bias"),
+                q_norm=w.get(prefix + "self_attn.q_norm.weight"), k_norm=w.get(prefix + "self_attn.k_norm.weight"))
+
+
 def layer_shard(w: Mapping[str, torch.Tensor], fused: Mapping[str, torch.Tensor], prefix: str, chunks: int, tp: int,
                 index: int, q_cols: slice, mlp_cols: slice) -> LayerShard:
     """One layer's weights, sliced to a TP shard: views, no copies (fused rows of its chunks, o/down columns)."""
@@ -116,12 +124,9 @@ def layer_shard(w: Mapping[str, torch.Tensor], fused: Mapping[str, torch.Tensor]
         return t[index * per_rank * width:(index + 1) * per_rank * width]
 
     return LayerShard(
-        input_norm=w[prefix + "input_layernorm.weight"], post_norm=w[prefix + "post_attention_layernorm.weight"],
         wqkv=rows("self_attn.qkv.weight"), wo=w[prefix + "self_attn.o_proj.weight"][:, q_cols],
         w_gate_up=rows("mlp.gate_up.weight"), w_down=w[prefix + "mlp.down_proj.weight"][:, mlp_cols],
-        chunks=per_rank, bqkv=rows("self_attn.qkv.bias"), bo=w.get(prefix + "self_attn.o_proj.bias"),
-        b_gate_up=rows("mlp.gate_up.bias"), b_down=w.get(prefix + "mlp.down_proj.bias"),
-        q_norm=w.get(prefix + "self_attn.q_norm.weight"), k_norm=w.get(prefix + "self_attn.k_norm.weight"))
+        chunks=per_rank, bqkv=rows("self_attn.qkv.bias"), b_gate_up=rows("mlp.gate_up.bias"), **_whole(w, prefix))
 
 
 def unfused_layer(w: Mapping[str, torch.Tensor], prefix: str) -> LayerShard:
@@ -132,12 +137,9 @@ def unfused_layer(w: Mapping[str, torch.Tensor], prefix: str) -> LayerShard:
         return None if parts[0] is None else torch.cat(parts)
     qkv, gate_up = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")
     return LayerShard(
-        input_norm=w[prefix + "input_layernorm.weight"], post_norm=w[prefix + "post_attention_layernorm.weight"],
         wqkv=cat(qkv, "weight"), wo=w[prefix + "self_attn.o_proj.weight"], w_gate_up=cat(gate_up, "weight"),
-        w_down=w[prefix + "mlp.down_proj.weight"], chunks=1, bqkv=cat(qkv, "bias"),
-        bo=w.get(prefix + "self_attn.o_proj.bias"), b_gate_up=cat(gate_up, "bias"),
-        b_down=w.get(prefix + "mlp.down_proj.bias"), q_norm=w.get(prefix + "self_attn.q_norm.weight"),
-        k_norm=w.get(prefix + "self_attn.k_norm.weight"))
+        w_down=w[prefix + "mlp.down_proj.weight"], chunks=1, bqkv=cat(qkv, "bias"), b_gate_up=cat(gate_up, "bias"),
+        **_whole(w, prefix))
 
 
 def attention_inputs(cfg: ModelConfig, layer: LayerShard, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -212,9 +214,11 @@ class DecodeMask:
 
 
 def decode_mask(kv: PagedKV, tables: torch.Tensor, positions: torch.Tensor) -> DecodeMask:
-    """The block mask of a decode step: row r (a row's head group) attends to its blocks tables[r, :n] whole but the
-    last, and in the last to the positions up to positions[r]. Each row costs its own length. tables [R, W] (padding:
-    block 0, scratch), positions [R]."""
+    """The block mask of a decode step over tables [B, g, W] (padding: block 0, scratch) and positions [B]: each
+    (request, head group) is a row r of the attention, which attends to its blocks tables[r, :n] whole but the last,
+    and in the last to the positions up to its request's. Each row costs its own length."""
+    positions = positions.repeat_interleave(tables.shape[1])
+    tables = tables.flatten(0, 1)
     rows, width = tables.shape
     bs = kv.block_size
     last = torch.div(positions, bs, rounding_mode="floor")  # index of the last block in each table
@@ -322,7 +326,7 @@ class Transformer:
         # The slot of each (row, head group, position): [B, g, T].
         slots = (torch.gather(tables, 2, (positions // bs)[:, None].expand(b, g, t)) * bs
                  + (positions % bs)[:, None]).flatten()
-        mask = decode_mask(kv, tables.flatten(0, 1), positions.repeat_interleave(g, 0)[:, 0]) if t == 1 else None
+        mask = decode_mask(kv, tables, start) if t == 1 else None
         hpb, rep = shard.num_kv_heads // g, shard.num_heads // shard.num_kv_heads
         rows = torch.arange(b, device=tokens.device)[:, None]
         x = self.w["model.embed_tokens.weight"][tokens]
