@@ -191,12 +191,14 @@ class Profile:
         return self.kv_seconds[tp] * (context - batch * self.decode_context)
 
     def observe(self, tp: int, batch: float, seconds: float, context: float | None = None,
-                at_once: bool = False) -> None:
+                at_once: bool = False) -> float:
         """A measured decode step (holding `context` KV tokens, if known): the nearest measured batch size (the
         smaller on ties) moves toward it by REFINE_WEIGHT of the relative error, an EMA of the ratio observed /
-        predicted. at_once: the whole row of that TP size is scaled, uncapped, so that it predicts exactly this step
-        (the guard's correction, from the median of several steps: a wrong profile is mostly wrong in scale, a
-        loaded host or another model; the EMA refines its shape)."""
+        predicted. at_once: the measured points the prediction of this batch size is drawn from (itself, the two
+        around it, or the last two) are scaled, uncapped, so that it predicts exactly this step: the guard's correction, from
+        the median of several steps. Only there: a step time's shape over batch sizes is the device's (on a CPU,
+        8 rows can take longer than 16), so a step of 8 says little about a step of 64. Returns the factor
+        applied."""
         if batch < 1 or seconds <= 0:
             raise ValueError(f"observed step TP={tp} batch={batch} seconds={seconds}: a decode step has "
                              f"batch >= 1 and seconds > 0")
@@ -204,12 +206,26 @@ class Profile:
             table = self.step_seconds(tp, batch)
             beyond = self.context_seconds(tp, batch, context) if context is not None else 0.0
             ratio = max(seconds - beyond, 1e-12) / max(table, 1e-12)  # the table's part of the step
-            self._seconds[tp] = [t * ratio for t in self._seconds[tp]]
-        else:
-            ratio = seconds / max(self.step_seconds(tp, batch, context), 1e-12)
-            ratio = 1 + self.REFINE_WEIGHT * (min(max(ratio, 1 / self.REFINE_MAX_RATIO), self.REFINE_MAX_RATIO) - 1)
-            bs = self._batches[tp]
-            self._seconds[tp][min(range(len(bs)), key=lambda i: (abs(bs[i] - batch), bs[i]))] *= ratio
+            bs, i = self._batches[tp], bisect_left(self._batches[tp], batch)
+            around = ({i} if i == 0 or (i < len(bs) and bs[i] == batch) else {i - 1, i} if i < len(bs)
+                      else {max(i - 2, 0), i - 1})  # a measured batch size itself; between two; beyond the last two
+            for j in around:
+                self._seconds[tp][j] *= ratio
+            self._fit(tp)
+            return ratio
+        ratio = seconds / max(self.step_seconds(tp, batch, context), 1e-12)
+        ratio = 1 + self.REFINE_WEIGHT * (min(max(ratio, 1 / self.REFINE_MAX_RATIO), self.REFINE_MAX_RATIO) - 1)
+        bs = self._batches[tp]
+        self._seconds[tp][min(range(len(bs)), key=lambda i: (abs(bs[i] - batch), bs[i]))] *= ratio
+        self._fit(tp)
+        return ratio
+
+    def row(self, tp: int) -> tuple[float, ...]:
+        """The measured steps of TP size tp, as refined so far (restore() puts them back)."""
+        return tuple(self._seconds[tp])
+
+    def restore(self, tp: int, row: Sequence[float]) -> None:
+        self._seconds[tp] = list(row)
         self._fit(tp)
 
     def _fit(self, tp: int) -> None:
@@ -407,21 +423,31 @@ class Controller:
     since the last decide() (else every REPLAN_STEPS decode steps), as a decision barely changes in between.
 
     The guard (observe(), fed every decode step) judges each regroup by what it delivers. A group the planner
-    formed (a merge, or a layout picked at a batch boundary) is on trial for its first GUARD_STEPS decode steps.
-    Then the profile rows of its TP size, and of the groups it replaced where they ran GUARD_STEPS steps just
-    before, are corrected at once to those steps' medians, and the next decide() asks plan() again, over the same
-    horizon as the plan that formed it: the rest of the batch in this layout, or the group split back into the
-    groups it replaced (paying to reshard its requests). The group lost if splitting back wins by the margin: it
-    is split back (the engine moves or recomputes the requests, losing none), and the margin goes up by
-    GUARD_RAISE for the rest of this batch and the next, so a wrong profile costs one regroup, not one per batch.
+    formed (a merge, or a layout picked at a batch boundary) is on trial for GUARD_STEPS decode steps after its
+    first GUARD_SKIP (the new group's warm-up). Then the profile rows of its TP size, and of the groups it replaced
+    where they ran GUARD_STEPS steps just before, are corrected at once to those steps' medians, and the next
+    decide() asks plan() again, over the same horizon as the plan that formed it: the rest of the batch in this
+    layout, or the group split back into the groups it replaced (paying to reshard its requests). The group lost if
+    splitting back wins by the margin: it is split back (the engine moves or recomputes the requests, losing none),
+    and the margin goes up by GUARD_RAISE for the rest of this batch. The corrected profile keeps the next batches
+    from the same regroup: a wrong profile costs one regroup, not one per batch.
+
+    A lost verdict's correction is doubted, not kept for good: a TP size no group runs gets no more steps to refine
+    it, so one disturbed trial (another process on the host) would keep it out for the rest of the job. After
+    DOUBT_BATCHES more batch starts, doubled for each loss of that TP size in a row, start_batch() puts its profile
+    row back as it was before the first of those losses, and the pod tries that TP size again where the profile
+    says it pays. A held verdict ends the doubt. Where the size really loses, that costs one trial per 2, 4, 8, ...
+    batches.
+
     Every step also refines the profile slowly (Profile.observe). With guard=False the profile is trusted as it
     was given.
     """
 
     REPLAN_STEPS = 16  # decode steps (of any group) between decisions while no request finishes
+    GUARD_SKIP = 1  # a regrouped group's first decode steps, not judged: caches and the new group warm up
     GUARD_STEPS = 4  # decode steps that judge a regrouped group: the median, so one outlier step does not
-    GUARD_RAISE = 0.25  # a losing regroup adds this to the margin ...
-    GUARD_BATCHES = 2  # ... until this many more batches have started (the rest of this one and the next)
+    GUARD_RAISE = 0.25  # a losing regroup adds this to the margin for the rest of its batch
+    DOUBT_BATCHES = 2  # batch starts until a lost verdict's correction is taken back, doubled per loss in a row
 
     def __init__(self, tp_sizes: Sequence[int], margin: float = 0.1, cooldown_steps: int = 4, guard: bool = True):
         if cooldown_steps < 0:
@@ -433,13 +459,17 @@ class Controller:
         self._steps_since = 0  # decode steps since the last decide()
         self._recent: dict[Group, deque[tuple[float, float, float | None]]] = {}  # group -> last decode steps
         self._trials: dict[Group, _Watch] = {}  # groups on trial (proposed, then applied)
-        self._recheck: dict[Group, tuple[list[Group], str]] = {}  # judged groups -> (what they replaced, verdict)
-        self._raised_batches = 0  # batch starts left with the raised margin
+        # judged groups -> (what they replaced, verdict, the factor their TP size's profile was corrected by, and
+        # its profile row before)
+        self._recheck: dict[Group, tuple[list[Group], str, float, tuple[float, ...]]] = {}
+        self._raised = False  # the margin, for the rest of this batch
+        self._losses: dict[int, int] = {}  # TP size -> lost verdicts in a row
+        self._doubts: dict[int, tuple[tuple[float, ...], int]] = {}  # TP size -> (its row before, batch starts left)
         self.verdicts: list[Verdict] = []  # one per judged group, for the pod's log and metrics
 
     @property
     def effective_margin(self) -> float:
-        return self.margin + (self.GUARD_RAISE if self._raised_batches else 0.0)
+        return self.margin + (self.GUARD_RAISE if self._raised else 0.0)
 
     def step(self) -> None:
         """One decode step happened."""
@@ -464,17 +494,19 @@ class Controller:
                 profile.observe(tp, batch, seconds, context)
             return
         trial.steps.append((batch, seconds, context))  # judged against the profile the plan was made on
-        if len(trial.steps) < self.GUARD_STEPS:
+        if len(trial.steps) < self.GUARD_SKIP + self.GUARD_STEPS:
             return
         del self._trials[group]
-        batch, seconds, context = _median_step(trial.steps)
+        batch, seconds, context = _median_step(trial.steps[self.GUARD_SKIP:])
         predicted = profile.step_seconds(tp, batch, context) if tp in profile.tp_sizes else math.nan
-        for step in [(tp, batch, seconds, context)] + trial.measured:
+        before = profile.row(tp) if tp in profile.tp_sizes else ()
+        factor = profile.observe(tp, batch, seconds, context, at_once=True) if tp in profile.tp_sizes else 1.0
+        for step in trial.measured:
             if step[0] in profile.tp_sizes:
                 profile.observe(*step, at_once=True)
         self._recheck[group] = (trial.members, f"guard: {'+'.join(map(str, map(len, trial.members)))}->{tp} "
                                                f"{{}}: a step of {batch:g} takes {1e3 * seconds:.4g} ms (predicted "
-                                               f"{1e3 * predicted:.4g})")
+                                               f"{1e3 * predicted:.4g})", factor, before)
 
     def decide(self, layout: Sequence[int], running: Mapping[Group, Sequence[Request]], profile: Profile,
                predictor: LengthPredictor, costs: RegroupCosts) -> Decision:
@@ -489,12 +521,13 @@ class Controller:
         self._recheck = {}
         if judged:  # the corrected profile's answer: split back, or keep what was planned
             split = plan(layout, running, profile, predictor, costs, self.tp_sizes, self.margin,
-                         split={g: members for g, (members, _) in judged.items()})
+                         split={g: members for g, (members, *_) in judged.items()})
             lost = split.layout is not None
-            self.verdicts += [Verdict(lost, f"{line.format('lost' if lost else 'held')}; {split.reason}")
-                              for _, line in judged.values()]
+            for group, (_, line, factor, before) in judged.items():
+                self.verdicts.append(Verdict(lost, f"{line.format('lost' if lost else 'held')}; {split.reason}"))
+                self._doubt(len(group), factor, before, lost)
             if lost:
-                self._in_flight, self._raised_batches = True, self.GUARD_BATCHES
+                self._in_flight, self._raised = True, True
             return split  # one plan() per decide(): planning is CPU the ranks need
         if self._cooldown:
             return Decision(None, 0.0, 0.0, 0.0, f"cooldown: {self._cooldown} more decode step(s) after the "
@@ -521,7 +554,13 @@ class Controller:
         cooldown; the caller applies the layout before submitting, no regrouped() needed."""
         self._in_flight, self._cooldown, self._decided_for = False, 0, None
         self._trials, self._recheck, self._recent = {}, {}, {}
-        self._raised_batches = max(self._raised_batches - 1, 0)
+        self._raised = False
+        for tp, (row, left) in list(self._doubts.items()):
+            if left > 1:
+                self._doubts[tp] = (row, left - 1)
+            else:  # the lost verdicts' correction taken back: TP=tp gets another trial where it pays
+                del self._doubts[tp]
+                profile.restore(tp, row)
         layout = tuple(layout) if layout is not None else uniform(world)
         running = spread([(prompt, 0) for prompt in prompts], groups(layout))
         decision = plan(layout, running, profile, predictor, costs, self.tp_sizes, self.effective_margin,
@@ -531,6 +570,17 @@ class Controller:
             self.regrouped()
             self._cooldown = 0
         return decision
+
+    def _doubt(self, tp: int, factor: float, before: tuple[float, ...], lost: bool) -> None:
+        """A verdict on a group of TP size tp whose profile row the guard corrected by `factor` from `before`."""
+        if not lost:
+            self._losses.pop(tp, None)
+            self._doubts.pop(tp, None)
+            return
+        self._losses[tp] = self._losses.get(tp, 0) + 1
+        if factor > 1 and before:  # only a correction that keeps TP=tp out is taken back
+            first, _ = self._doubts.get(tp, (before, 0))  # back to the row before the first loss in a row
+            self._doubts[tp] = (first, self.DOUBT_BATCHES * 2 ** (self._losses[tp] - 1))
 
     def _try(self, old: Layout, new: Layout, batches: Mapping[Group, int], profile: Profile) -> None:
         """Put the groups of `new` that are not in `old` on trial, with what their members ran at before."""

@@ -94,16 +94,19 @@ def _batches_logged(pod, tag: str, batches: int, requests) -> list[list[str]]:
 
 def test_guard_stops_merging_on_a_profile_that_lies(guarded_pod, reference):
     """TAIL_PROFILE says TP2 is 10x faster for the last sequence; it is not. The first tail merges on its word,
-    the guard measures the merged steps, splits back in the same batch, and no later tail merges."""
+    the guard measures the merged steps and splits back in the same batch; the next batch does not merge. The
+    correction is doubted: the batch after that tries TP2 again, and the guard judges it again (lost if it ends
+    with one sequence, the one batch size the profile lies about)."""
     requests = Batch(long_tailed(8, long=200, tag="guard"), reference)
     per_batch = _batches_logged(guarded_pod, "guard", 3, requests)
-    first = per_batch[0]
+    first, second, third = per_batch
     merged = [i for i, line in enumerate(first) if "regroup (1, 1) -> (2,)" in line and "merge" in line]
-    assert merged, first
-    assert any("guard: 1+1->2 lost" in line for line in first[merged[0]:]), first
-    assert any("regroup (2,) -> (1, 1)" in line and "split back" in line for line in first[merged[0]:]), first
-    assert len(merged) == 1 and not [line for b in per_batch[1:] for line in b if "merge (1, 1)" in line], per_batch
-    assert guarded_pod.metrics()[("pat_generator_guard_verdicts_total", (("verdict", "lost"),))] == 1
+    assert len(merged) == 1, per_batch
+    assert any("guard: 1+1->2 lost" in line for line in first[merged[0]:]), per_batch
+    assert any("regroup (2,) -> (1, 1)" in line and "split back" in line for line in first[merged[0]:]), per_batch
+    assert not [line for line in second if "merge (1, 1)" in line], per_batch
+    assert "merge (1, 1)->(2,)" in third[0] and "guard: 1+1->2" in third[1], per_batch
+    assert guarded_pod.metrics()[("pat_generator_guard_verdicts_total", (("verdict", "lost"),))] >= 1
 
 
 def test_guard_off_keeps_merging_on_a_profile_that_lies(planning_pod, reference):

@@ -106,9 +106,8 @@ def test_profile_observe_moves_toward_observations_but_bounded():
     with pytest.raises(ValueError, match="seconds > 0"):
         p.observe(1, 8, 0.0)
 
-    ratio = 0.2 / p.step_seconds(1, 8)
-    p.observe(1, 8, 0.2, at_once=True)  # the guard's correction: the whole row, all the way, uncapped
-    assert p.step_seconds(1, 8) == pytest.approx(0.2) and p.step_seconds(1, 1) == pytest.approx(0.044 * 0.95 * ratio)
+    p.observe(1, 8, 0.2, at_once=True)  # the guard's correction: all the way, uncapped, where it was measured
+    assert p.step_seconds(1, 8) == pytest.approx(0.2) and p.step_seconds(1, 1) == pytest.approx(0.044 * 0.95)
 
 
 def test_profile_corrected_at_once_predicts_the_step_exactly():
@@ -116,7 +115,11 @@ def test_profile_corrected_at_once_predicts_the_step_exactly():
     # T2(2) = 0.6 from the table, + 0.1 s for 100 KV tokens beyond the measured context: the table's part is 1.4 s
     p.observe(2, 2, 1.5, context=2 * 10 + 100, at_once=True)
     assert p.step_seconds(2, 2, 2 * 10 + 100) == pytest.approx(1.5)
-    assert p.step_seconds(2, 8) == pytest.approx(1.4 * 1.4 / 0.6) and p.step_seconds(1, 1) == 0.3
+    # batches 1 and 4, which T2(2) is drawn from, are scaled by 1.4 / 0.6; batch 8 and TP1 are left as they were
+    assert p.step_seconds(2, 1) == pytest.approx(0.4 * 1.4 / 0.6) and p.step_seconds(2, 4) == pytest.approx(1.4 / 0.6)
+    assert p.step_seconds(2, 8) == 1.4 and p.step_seconds(1, 1) == 0.3
+    p.observe(2, 16, 2.8, at_once=True)  # beyond the table: the last two points, whose line extrapolates it
+    assert p.step_seconds(2, 16) == pytest.approx(2.8) and p.step_seconds(2, 1) == pytest.approx(0.4 * 1.4 / 0.6)
 
 
 def test_profile_json_round_trip():
@@ -322,7 +325,7 @@ def test_controller_is_due_when_a_request_finished_or_after_replan_steps():
 
 # -- the guard: each regroup judged by the steps it delivers ---------------------------------------------------
 
-def run_steps(ctl, profile, group, batch, seconds, n=Controller.GUARD_STEPS):
+def run_steps(ctl, profile, group, batch, seconds, n=Controller.GUARD_SKIP + Controller.GUARD_STEPS):
     for _ in range(n):
         ctl.observe(group, batch, seconds, None, profile)
         ctl.step()
@@ -349,13 +352,66 @@ def test_guard_splits_back_a_merge_that_lied_and_raises_the_margin():
     assert_decision(back, (1, 1), 2 + 4 / 3, 2.0, 0.23, "split back (2,)->(1, 1)")
     assert len(ctl.verdicts) == 1 and ctl.verdicts[0].lost
     assert ctl.verdicts[0].line.startswith("guard: 1+1->2 lost: a step of 2 takes 2000 ms (predicted 600); split")
-    assert ctl.effective_margin == pytest.approx(0.1 + Controller.GUARD_RAISE)
+    assert ctl.effective_margin == pytest.approx(0.1 + Controller.GUARD_RAISE)  # for the rest of this batch
     ctl.regrouped()
     assert ctl.decide((1, 1), TAIL, *args).layout is None  # the corrected profile: no more merges
     ctl.start_batch(2, [10], *args)
-    assert ctl.effective_margin == pytest.approx(0.1 + Controller.GUARD_RAISE)  # the next batch too ...
-    ctl.start_batch(2, [10], *args)
-    assert ctl.effective_margin == pytest.approx(0.1)  # ... not the one after
+    assert ctl.effective_margin == pytest.approx(0.1)
+    assert ctl.decide((1, 1), TAIL, *args).layout is None  # the next batch neither: the profile says no
+
+
+def test_guard_takes_a_lost_correction_back_later_and_backs_off_while_the_size_keeps_losing():
+    # A disturbed trial (TP2 steps at 2 s, predicted 0.6) must not keep TP2 out for the rest of the job: after
+    # DOUBT_BATCHES batch starts the correction is taken back and the pod merges again; a second loss in a row
+    # doubles the wait, and a merge that holds ends the doubt.
+    profile = Profile(PROFILE)
+    ctl = Controller([1, 2], cooldown_steps=0)
+    args = (profile, LengthPredictor(4), COSTS)
+    merged = {(0, 1): [(11, 1), (13, 3)]}
+
+    def lose_a_merge():
+        assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
+        ctl.regrouped()
+        run_steps(ctl, profile, (0, 1), 2, 2.0)
+        assert ctl.decide((2,), merged, *args).layout == (1, 1) and ctl.verdicts[-1].lost
+        ctl.regrouped()
+
+    run_steps(ctl, profile, (0,), 1, 1.0)
+    lose_a_merge()
+    assert profile.step_seconds(2, 2) == pytest.approx(2.0)
+    for wait in (Controller.DOUBT_BATCHES, 2 * Controller.DOUBT_BATCHES):
+        for _ in range(wait - 1):
+            ctl.start_batch(2, [10], *args, layout=(1, 1))
+            assert profile.step_seconds(2, 2) == pytest.approx(2.0)  # still doubted
+            assert ctl.decide((1, 1), TAIL, *args).layout is None
+        ctl.start_batch(2, [10], *args, layout=(1, 1))
+        assert profile.step_seconds(2, 2) == pytest.approx(0.6)  # taken back: the profile as before the trial
+        lose_a_merge()  # the second time, the wait doubles
+    for _ in range(4 * Controller.DOUBT_BATCHES):
+        ctl.start_batch(2, [10], *args, layout=(1, 1))
+    assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
+    ctl.regrouped()
+    run_steps(ctl, profile, (0, 1), 2, 0.5)
+    assert ctl.decide((2,), merged, *args).layout is None and not ctl.verdicts[-1].lost
+    for _ in range(8):  # held: its correction stays, whatever batches follow
+        ctl.start_batch(2, [10], *args, layout=(2,))
+    assert profile.step_seconds(2, 2) == pytest.approx(0.5)
+
+
+def test_guard_does_not_judge_a_group_by_its_first_step():
+    # A merged group's first step warms up (here 10 s); the next GUARD_STEPS deliver what was predicted.
+    profile = Profile(PROFILE)
+    ctl = Controller([1, 2], cooldown_steps=0)
+    args = (profile, LengthPredictor(4), COSTS)
+    run_steps(ctl, profile, (0,), 1, 1.0)
+    assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
+    ctl.regrouped()
+    run_steps(ctl, profile, (0, 1), 2, 10.0, n=Controller.GUARD_SKIP)
+    run_steps(ctl, profile, (0, 1), 2, 0.6, n=Controller.GUARD_STEPS - 1)
+    assert not ctl.due(2)  # GUARD_STEPS steps after the skipped ones, not yet
+    run_steps(ctl, profile, (0, 1), 2, 0.6, n=1)
+    assert ctl.decide((2,), {(0, 1): [(11, 1), (13, 3)]}, *args).layout is None
+    assert not ctl.verdicts[-1].lost and profile.step_seconds(2, 2) == pytest.approx(0.6)
 
 
 def test_guard_off_trusts_the_profile_and_keeps_merging():

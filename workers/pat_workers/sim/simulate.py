@@ -493,9 +493,9 @@ def _copy(pod: Pod) -> Pod:
 
 def _refine(controller: planner.Controller, profile: planner.Profile, pod: Pod) -> None:
     """The pod's controller sees every decode step; the simulator's each chunk's mean step, counted as up to
-    GUARD_STEPS steps (enough to judge a regroup, no more: the refinement moves per observation)."""
+    GUARD_SKIP + GUARD_STEPS steps (enough to judge a regroup, no more: the refinement moves per observation)."""
     for group, steps, batch, seconds, context in pod.observed:
-        for _ in range(min(steps, controller.GUARD_STEPS)):
+        for _ in range(min(steps, controller.GUARD_SKIP + controller.GUARD_STEPS)):
             controller.observe(group, batch, seconds, context, profile)
     pod.observed.clear()
 
