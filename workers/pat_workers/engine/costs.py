@@ -2,9 +2,10 @@
 
 Measured once at start by every rank together (all blocks of a TP size at once, so contention is as in use)
 and agreed on (max over ranks), so that every rank takes the same migrate-or-recompute decisions. The decode
-profile T(tp, batch, context) is what a planner needs to decide when to regroup: the served decode step (forward
-over the paged cache and sampling, padded as the engine pads it) at DECODE_CONTEXT tokens per sequence for each
-batch size, and at the largest batch once more at the engine's maxSeq, whose difference is the cost of reading one
+profile T(tp, batch, context) is what a planner needs to decide when to regroup: the decode step as the engine
+serves it (Engine.run_decode: captured in a CUDA graph on GPUs, compiled where the engine compiles it; forward over
+the paged cache, sampling and the copy of its tokens to the host, padded as the engine pads it) at DECODE_CONTEXT
+tokens per sequence for each batch size, and at the largest batch once more at the engine's maxSeq, whose difference is the cost of reading one
 more KV token (what makes a long tail's steps slower than its batch size says; paged attention makes it linear).
 """
 
@@ -16,11 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import CommunicatorPool, measure_link_bandwidth
-from .engine import bucket
-from .kv import PagedKV
-from .model import Transformer
-from .sampling import SamplingBatch, SamplingParams, sample
+from .comm import measure_link_bandwidth
+from .engine import Engine, bucket
+from .sampling import SamplingBatch, SamplingParams
 
 PREFILL_LENGTHS = (16, 128)
 DECODE_CONTEXT = 64  # tokens per sequence of the profiled decode steps at each batch size
@@ -72,12 +71,12 @@ def _timed(fn, repeats: int, device: torch.device) -> float:
     return min(times)
 
 
-def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], batches: list[int], kv: PagedKV,
-            max_seq: int, static_shapes: bool = False, repeats: int = 7) -> Costs:
-    """Collective over the pod's ranks. Runs in the engine's own (empty) KV pool: rows of the profiled batches take
-    its blocks in turn, wrapping around when it is smaller than they need (what a step reads and writes is the same
-    amount of memory either way), so profiling takes no memory beside the pool. static_shapes: tables padded as the
-    engine pads them for graphs."""
+def measure(engine: Engine, tp_sizes: list[int], batches: list[int], repeats: int = 7) -> Costs:
+    """Collective over the pod's ranks, with the engine idle (it is left in its own TP=1 group). Runs in the
+    engine's own (empty) KV pool: rows of the profiled batches take its blocks in turn, wrapping around when it is
+    smaller than they need (what a step reads and writes is the same amount of memory either way), so profiling
+    takes no memory beside the pool and the graphs the engine keeps for serving."""
+    model, pool, kv, max_seq = engine.model, engine.pool, engine.kv, engine.max_seq
     rank, world = pool.rank, pool.world
     device, max_tp, bs = model.device, max(tp_sizes), kv.block_size
     long_context = max(max_seq - 1, DECODE_CONTEXT + 1)
@@ -90,7 +89,7 @@ def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], bat
             # (comm_timeout) waits on a rank still compiling.
             dist.barrier()
         block = next(b for b in pool.blocks(tp) if rank in b)
-        comm, shard = pool.get(block), model.shard(tp, block.index(rank))
+        engine.join(block)
         groups = max_tp // tp
         ids = torch.arange(max(batches) * groups * width, device=device) % (kv.num_blocks - 1) + 1
         tables = ids.view(max(batches), groups, width)
@@ -98,16 +97,18 @@ def measure(model: Transformer, pool: CommunicatorPool, tp_sizes: list[int], bat
             tokens = torch.zeros(1, length, dtype=torch.long, device=device)
             start = torch.zeros(1, dtype=torch.long, device=device)
             table = tables[:1, :, :-(-length // bs)]
-            samples.append(_timed(lambda: model.forward(shard, comm, kv, tokens, start, table), repeats, device))
+            samples.append(_timed(lambda: model.forward(engine.shard, engine.comm, kv, tokens, start, table), repeats,
+                                  device))
         for batch, context in [(b, DECODE_CONTEXT) for b in batches] + [(max(batches), long_context)]:
-            tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+            tokens = torch.zeros(batch, dtype=torch.long, device=device)
             start = torch.full((batch,), context, dtype=torch.long, device=device)
             blocks = context // bs + 1
-            table = tables[:batch, :, :bucket(blocks, width) if static_shapes else blocks]  # as the engine pads
+            table = tables[:batch, :, :bucket(blocks, width) if engine.static_shapes else blocks]  # as it pads
             params = SamplingBatch.build([SamplingParams(temperature=1.0)] * batch, model.cfg.vocab_size, device)
             steps = torch.zeros(batch, dtype=torch.long, device=device)
-            samples.append(_timed(lambda: sample(model.forward(shard, comm, kv, tokens, start, table), params, steps),
-                                  repeats, device))
+            inputs = (tokens, start, table, params, steps)
+            samples.append(_timed(lambda: engine.run_decode(inputs), repeats, device))
+    engine.join((rank,))
     link = (0.0, 0.0)
     if world > 1:
         pair = pool.get(next(b for b in pool.blocks(2) if rank in b))

@@ -330,12 +330,17 @@ class Engine:
         logits = self.model.forward(self.shard, self.comm, self.kv, tokens[:, None], positions, tables)
         return sample(logits, params, steps)
 
-    def _decode_step(self, rows: list[Request]) -> tuple[list[int], list[float]]:
-        inputs = self.decode_inputs(rows)
+    def run_decode(self, inputs: tuple) -> tuple[list[int], list[float]]:
+        """The decode step as it is served, on device inputs shaped as decode_inputs() makes them: captured,
+        compiled or eager, then the one device-to-host copy of its tokens and log-probabilities. The start-up
+        profile (engine.costs) times this."""
         # A graph holds NCCL collectives; gloo and shared memory run on the host, where no graph can hold them.
         capturable = self._cuda_graphs and (self.tp == 1 or self.pool.backend == "nccl")
         run = self._captured(inputs) if capturable else self.decode_fn
-        tokens, logprobs = self._fetch(*run(*inputs))
+        return self._fetch(*run(*inputs))
+
+    def _decode_step(self, rows: list[Request]) -> tuple[list[int], list[float]]:
+        tokens, logprobs = self.run_decode(self.decode_inputs(rows))
         for r in rows:
             r.cached += 1
         return tokens[:len(rows)], logprobs[:len(rows)]

@@ -170,7 +170,7 @@ def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_m
             batches = sorted({b for b in opts.profile_batches or _powers_of_two(capacity) if b <= capacity})
             engine = Engine(model, pool, max_batch=opts.max_batch, max_seq=opts.max_seq, kv_blocks=kv_blocks,
                             block_size=opts.block_size)
-            costs = measure(model, pool, tp_sizes, batches, engine.kv, opts.max_seq, engine.static_shapes)
+            costs = measure(engine, tp_sizes, batches)
             if layout is not None:  # the starting layout: nothing is cached yet, so a group is all it takes
                 engine.join(group_of(layout, rank))
             events.put(("ready", rank, costs if rank == 0 else None, tp_sizes))
