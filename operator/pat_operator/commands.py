@@ -27,6 +27,8 @@ def generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_file: str
             # A CPU pod stays on CPU where GPUs are visible anyway (pat run on a workstation); a GPU pod fails at
             # start when it has fewer GPUs than ranks instead of falling back.
             "--device", "cuda" if g.gpus_per_pod else "cpu"]
+    if g.compile_step:
+        args.append("--compile-step")
     if a.profile:
         args += ["--profile", a.profile]
     if spec.tokenizer.path:

@@ -179,6 +179,8 @@ def _rules() -> dict[str, list[tuple[str, str]]]:
                    "|| has(self.adaptiveTP) && has(self.adaptiveTP.enabled) && !self.adaptiveTP.enabled"),
              "generator.tensorParallelSize above 1 fixes the layout, and adaptive TP regroups it (every batch starts "
              "at TP=1): set generator.adaptiveTP.enabled: false for a fixed layout, or leave tensorParallelSize at 1"),
+            (_when(["compileStep", "engine"], "!self.compileStep || self.engine != 'vllm'"),
+             "generator.compileStep is engine pat's; vLLM compiles its own step (generator.vllm.enforceEager: false, its default)"),
             (_when(["vllm.maxModelLen"], f"self.vllm.maxModelLen >= {_value('maxSeq', api.Generator)}"),
              "generator.vllm.maxModelLen is below generator.maxSeq: vLLM would refuse the longest sequences; raise "
              "it or leave it out"),

@@ -222,6 +222,8 @@ CASES = [
          bad={"spec.generator.gpusPerPod": 4, "spec.generator.tensorParallelSize": 8},
          good={"spec.generator.gpusPerPod": 8, "spec.generator.tensorParallelSize": 8},
          also={"spec.generator.ranksPerPod": DELETE, "spec.generator.adaptiveTP": {"enabled": False}}),
+    Case("spec.generator", "generator.compileStep is engine pat's", base="vllm",
+         bad={"spec.generator.compileStep": True}, good={"spec.generator.compileStep": False}),
     Case("spec.generator", "generator.tensorParallelSize is engine pat's fixed layout", base="vllm",
          bad={"spec.generator.tensorParallelSize": 2}, good={"spec.generator.tensorParallelSize": 1}),
     Case("spec.generator", "generator.tensorParallelSize above 1 fixes the layout",

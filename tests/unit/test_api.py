@@ -58,6 +58,8 @@ def test_example_is_valid_and_camel_case_round_trips():
      "set generator.adaptiveTP.enabled: false for a fixed layout"),
     (lambda s: s["generator"].update(tensorParallelSize=2, engine="vllm", adaptiveTP={}),
      "generator.tensorParallelSize=2 is engine pat's fixed layout; engine vllm: set generator.vllm.tensorParallelSize"),
+    (lambda s: s["generator"].update(compileStep=True, engine="vllm", adaptiveTP={"enabled": False}),
+     "generator.compileStep is engine pat's; vLLM compiles its own step"),
 ])
 def test_bad_fields_are_named(edit, field):
     doc = example()

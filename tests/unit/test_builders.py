@@ -106,14 +106,15 @@ def test_generator_pod_has_probe_shm_and_the_adaptive_tp_settings():
     j = job(generator={"adaptiveTP": {"tpSizes": [1, 2], "minGain": 0.3, "controller": "operator"},
                        "memoryUtilization": 0.85})
     (c,) = builders.pod(j, "u", "generator", 0, 0)["spec"]["containers"]
+    assert "--compile-step" not in c["args"]
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     a = c["args"]
     flags = ("--ranks", "--controller", "--margin", "--tp-sizes", "--host", "--memory-utilization", "--device")
     assert [a[a.index(f) + 1] for f in flags] == ["2", "operator", "0.3", "1,2", "0.0.0.0", "0.85", "cpu"]
-    gpus = job(generator={"gpusPerPod": 2, "ranksPerPod": None})
+    gpus = job(generator={"gpusPerPod": 2, "ranksPerPod": None, "compileStep": True})
     (c,) = builders.pod(gpus, "u", "generator", 0, 0)["spec"]["containers"]
-    assert c["args"][c["args"].index("--device") + 1] == "cuda"
+    assert c["args"][c["args"].index("--device") + 1] == "cuda" and "--compile-step" in c["args"]
 
 
 @pytest.mark.parametrize("flag, value, error", [

@@ -53,6 +53,7 @@ class EngineOptions:
     memory_utilization: float = 0.9
     kv_cache_bytes: int = 0
     block_size: int = 16  # tokens per KV block
+    compile_step: bool = False  # the decode step through torch.compile (Engine's compile_step)
 
     def __post_init__(self):
         for name, ok, fix in (
@@ -169,7 +170,7 @@ def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_m
             capacity = opts.max_batch * max(tp_sizes)
             batches = sorted({b for b in opts.profile_batches or _powers_of_two(capacity) if b <= capacity})
             engine = Engine(model, pool, max_batch=opts.max_batch, max_seq=opts.max_seq, kv_blocks=kv_blocks,
-                            block_size=opts.block_size)
+                            block_size=opts.block_size, compile_step=opts.compile_step)
             costs = measure(engine, tp_sizes, batches)
             if layout is not None:  # the starting layout: nothing is cached yet, so a group is all it takes
                 engine.join(group_of(layout, rank))

@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seq", type=int, default=512, help="prompt + response tokens per sequence")
     ap.add_argument("--memory-utilization", type=float, default=0.9, help="fraction of each GPU's memory the engine "
                     "may use: weights, working memory and the paged KV cache, which gets the rest")
+    ap.add_argument("--compile-step", action="store_true", help="run the decode step through torch.compile "
+                    "(engine pat; about 30 s of compiling per rank and TP size at start)")
     ap.add_argument("--kv-cache-bytes", type=int, default=0, help="explicit KV pool bytes per rank, overrides "
                     "--memory-utilization; for tests and benchmarks")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
             options = EngineOptions(max_batch=args.max_batch, max_seq=args.max_seq, dtype=args.dtype,
                                     migration=args.migration, comm_backend=args.comm_backend, device=args.device,
-                                    memory_utilization=args.memory_utilization, kv_cache_bytes=args.kv_cache_bytes)
+                                    memory_utilization=args.memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
+                                    compile_step=args.compile_step)
             tp_sizes = tuple(int(t) for t in args.tp_sizes.split(",")) if args.tp_sizes else None
             pod = Coordinator(PodConfig(args.model, args.ranks, options, args.controller, args.margin,
                                         args.cooldown_steps, args.guard, args.profile, args.tokenizer, tp_sizes,
