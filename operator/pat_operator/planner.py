@@ -20,7 +20,7 @@ import math
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from itertools import accumulate, product
 from operator import mul
@@ -463,6 +463,7 @@ class Controller:
         # its profile row before)
         self._recheck: dict[Group, tuple[list[Group], str, float, tuple[float, ...]]] = {}
         self._raised = False  # the margin, for the rest of this batch
+        self._base: Layout | None = None  # the layout this batch started in, while no verdict of this batch lost
         self._losses: dict[int, int] = {}  # TP size -> lost verdicts in a row
         self._doubts: dict[int, tuple[tuple[float, ...], int]] = {}  # TP size -> (its row before, batch starts left)
         self.verdicts: list[Verdict] = []  # one per judged group, for the pod's log and metrics
@@ -527,7 +528,7 @@ class Controller:
                 self.verdicts.append(Verdict(lost, f"{line.format('lost' if lost else 'held')}; {split.reason}"))
                 self._doubt(len(group), factor, before, lost)
             if lost:
-                self._in_flight, self._raised = True, True
+                self._in_flight, self._raised, self._base = True, True, None
             return split  # one plan() per decide(): planning is CPU the ranks need
         if self._cooldown:
             return Decision(None, 0.0, 0.0, 0.0, f"cooldown: {self._cooldown} more decode step(s) after the "
@@ -549,9 +550,13 @@ class Controller:
 
     def start_batch(self, world: int, prompts: Sequence[int], profile: Profile, predictor: LengthPredictor,
                     costs: RegroupCosts, layout: Sequence[int] | None = None) -> Decision:
-        """At a batch boundary: the layout the new batch should start in (None: keep `layout`, by default
-        all TP=1), for prompts of these lengths spread over the groups as the pod submits them. Resets the
-        cooldown; the caller applies the layout before submitting, no regrouped() needed."""
+        """At a batch boundary: the layout the new batch should start in (None: all TP=1), for prompts of these
+        lengths spread over the groups as the pod submits them. The margin holds against `layout`: by default the
+        layout the last batch started in, unless a verdict of that batch lost, else all TP=1. Not the last batch's
+        tail layout: nothing is cached at a boundary, and a tail's merge is no reason to start the bulk merged;
+        but a start that held is, and without it a layout that wins every batch by less than the margin would be
+        given up at every boundary. Resets the cooldown; the caller applies the layout before submitting, no
+        regrouped() needed."""
         self._in_flight, self._cooldown, self._decided_for = False, 0, None
         self._trials, self._recheck, self._recent = {}, {}, {}
         self._raised = False
@@ -561,7 +566,7 @@ class Controller:
             else:  # the lost verdicts' correction taken back: TP=tp gets another trial where it pays
                 del self._doubts[tp]
                 profile.restore(tp, row)
-        layout = tuple(layout) if layout is not None else uniform(world)
+        layout = tuple(layout) if layout is not None else self._base or uniform(world)
         running = spread([(prompt, 0) for prompt in prompts], groups(layout))
         decision = plan(layout, running, profile, predictor, costs, self.tp_sizes, self.effective_margin,
                         at_boundary=True)
@@ -569,7 +574,9 @@ class Controller:
             self._try(layout, decision.layout, {g: len(r) for g, r in running.items()}, profile)
             self.regrouped()
             self._cooldown = 0
-        return decision
+        start = decision.layout or layout
+        self._base = start if start != uniform(world) else None
+        return decision if decision.layout is not None else replace(decision, layout=self._base)
 
     def _doubt(self, tp: int, factor: float, before: tuple[float, ...], lost: bool) -> None:
         """A verdict on a group of TP size tp whose profile row the guard corrected by `factor` from `before`."""

@@ -441,6 +441,32 @@ def test_guard_keeps_a_merge_that_delivers():
     assert profile.step_seconds(2, 2) == pytest.approx(0.7) and profile.step_seconds(1, 1) == pytest.approx(1.2)
 
 
+def test_a_batch_start_that_held_is_the_next_boundarys_layout_to_beat():
+    # PROFILE starts 2 fresh requests at TP2 (0.6 s a step against 1.0 per replica). In `close` TP2 is within the
+    # 10% margin of replicas: n = 2, 1.5, 1, .5 take 0.783 + 0.692 + 0.6 + 0.3 = 2.375 s at TP2, and n = 1, .75,
+    # .5, .25 per replica 2.5 s. It keeps TP2 where TP2 started and held, and TP1 replicas elsewhere.
+    close = {1: {1: 1.0, 4: 2.5}, 2: {1: 0.6, 4: 1.15}}
+    fresh = {(0, 1): [(11, 1)] * 2}
+
+    def started(steps_take):  # a controller whose batch started at TP2 and was judged on steps of this time
+        ctl = Controller([1, 2])
+        profile = Profile(PROFILE)
+        assert ctl.start_batch(2, [10, 10], profile, LengthPredictor(4), COSTS).layout == (2,)
+        run_steps(ctl, profile, (0, 1), 2, steps_take)
+        ctl.decide((2,), fresh, profile, LengthPredictor(4), COSTS)
+        return ctl
+
+    held = started(0.6)
+    d = held.start_batch(2, [10, 10], Profile(close), LengthPredictor(4), COSTS)
+    assert d.layout == (2,) and d.reason.startswith("stay: the gain is under the 10% margin ((2,)->(1, 1)")
+    # The negative controls: no batch before, or one whose TP2 start lost, and the same profile starts replicas.
+    assert Controller([1, 2]).start_batch(2, [10, 10], Profile(close), LengthPredictor(4), COSTS).layout is None
+    lost = started(1.5)
+    assert lost.verdicts[-1].lost
+    lost.regrouped()
+    assert lost.start_batch(2, [10, 10], Profile(close), LengthPredictor(4), COSTS).layout is None
+
+
 def test_guard_judges_a_layout_chosen_at_the_boundary_against_the_prediction():
     # TP2 for 2 fresh requests is predicted at T2(2) = 0.6 s against T1(1) = 1.0 s per replica; it runs 1.5 s.
     profile = Profile(PROFILE)

@@ -362,8 +362,8 @@ class Coordinator:
         max_tokens = max(r.params.max_tokens for r in requests)
         if self.controller is not None:
             self._predictor = LengthPredictor(max_tokens, prior=list(self._lengths))
-            # Against the base layout (all TP=1), not the last batch's tail layout: nothing is cached at a
-            # boundary, so the margin must not keep a tail's merge for the next batch's bulk.
+            # Against the layout the last batch started in if it held (Controller.start_batch), not the last batch's
+            # tail layout: nothing is cached at a boundary, so the margin must not keep a tail's merge for the bulk.
             decision = self.controller.start_batch(self.gen.world, [len(r.prompt) for r in requests], self.profile,
                                                    self._predictor, self.costs)
         else:  # the operator's plans are for a batch's tail: each batch starts in the base layout
