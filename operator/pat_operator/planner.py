@@ -590,7 +590,8 @@ class Controller:
             self._doubts[tp] = (first, self.DOUBT_BATCHES * 2 ** (self._losses[tp] - 1))
 
     def _try(self, old: Layout, new: Layout, batches: Mapping[Group, int], profile: Profile) -> None:
-        """Put the groups of `new` that are not in `old` on trial, with what their members ran at before."""
+        """Put the groups of `new` that are not in `old` on trial, with what their members ran at before. Only merged
+        groups: the guard's question is whether to split one back."""
         if not self.guard:
             return
         kept = set(groups(old))
@@ -598,8 +599,8 @@ class Controller:
             if g in kept:
                 continue
             members = [h for h in groups(old) if set(h) <= set(g)]
-            if any(len(h) not in profile.tp_sizes for h in members):
-                continue  # nothing to judge it against
+            if not members or any(len(h) not in profile.tp_sizes for h in members):
+                continue  # a group split from a larger one (at a boundary), or nothing to judge it against
             measured = [(len(h), *_median_step(self._recent[h])) for h in members
                         if batches.get(h) and len(self._recent.get(h, ())) == self.GUARD_STEPS]
             self._trials[g] = _Watch(members, measured)

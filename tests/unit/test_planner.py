@@ -465,6 +465,14 @@ def test_a_batch_start_that_held_is_the_next_boundarys_layout_to_beat():
     assert lost.verdicts[-1].lost
     lost.regrouped()
     assert lost.start_batch(2, [10, 10], Profile(close), LengthPredictor(4), COSTS).layout is None
+    # Where replicas win by the margin, the boundary splits the held TP2 start; split groups are not on trial.
+    replicas = Profile({1: {1: 1.0, 4: 2.5}, 2: {1: 2.0, 4: 5.0}})
+    d = held.start_batch(2, [10, 10], replicas, LengthPredictor(4), COSTS)
+    assert d.layout == (1, 1) and d.reason.startswith("regroup (2,)->(1, 1)")
+    for group in (0,), (1,):
+        run_steps(held, replicas, group, 1, 3.0)
+    assert held.decide((1, 1), {(0,): [(11, 1)], (1,): [(11, 1)]}, replicas, LengthPredictor(4), COSTS).layout is None
+    assert len(held.verdicts) == 1  # the TP2 start's, none since
 
 
 def test_guard_judges_a_layout_chosen_at_the_boundary_against_the_prediction():
