@@ -46,6 +46,7 @@ def data_dir():
     shutil.rmtree(path)
 
 
+@pytest.mark.timeout(900)  # three whole jobs back to back: 462 s alone on a slow 2-core host, past 600 in the suite
 def test_adaptive_tp_end_to_end(jobs, cluster, prometheus, operator, data_dir):
     claim_dir = lambda name: cluster.kubelet.claim_dir(jobs.namespace, f"{name}-run")  # noqa: E731
 
