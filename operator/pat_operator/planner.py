@@ -195,10 +195,10 @@ class Profile:
         """A measured decode step (holding `context` KV tokens, if known): the nearest measured batch size (the
         smaller on ties) moves toward it by REFINE_WEIGHT of the relative error, an EMA of the ratio observed /
         predicted. at_once: the measured points the prediction of this batch size is drawn from (itself, the two
-        around it, or the last two) are scaled, uncapped, so that it predicts exactly this step: the guard's correction, from
-        the median of several steps. Only there: a step time's shape over batch sizes is the device's (on a CPU,
-        8 rows can take longer than 16), so a step of 8 says little about a step of 64. Returns the factor
-        applied."""
+        around it, or the last two) are scaled, uncapped, so that it predicts exactly this step: the guard's
+        correction, from the median of several steps. Only there: a step time's shape over batch sizes is the
+        device's (on a CPU, 8 rows can take longer than 16), so a step of 8 says little about a step of 64. Returns
+        the factor applied."""
         if batch < 1 or seconds <= 0:
             raise ValueError(f"observed step TP={tp} batch={batch} seconds={seconds}: a decode step has "
                              f"batch >= 1 and seconds > 0")

@@ -5,8 +5,9 @@ and agreed on (max over ranks), so that every rank takes the same migrate-or-rec
 profile T(tp, batch, context) is what a planner needs to decide when to regroup: the decode step as the engine
 serves it (Engine.run_decode: captured in a CUDA graph on GPUs, compiled where the engine compiles it; forward over
 the paged cache, sampling and the copy of its tokens to the host, padded as the engine pads it) at DECODE_CONTEXT
-tokens per sequence for each batch size, and at the largest batch once more at the engine's maxSeq, whose difference is the cost of reading one
-more KV token (what makes a long tail's steps slower than its batch size says; paged attention makes it linear).
+tokens per sequence for each batch size, and at the largest batch once more at the engine's maxSeq, whose
+difference is the cost of reading one more KV token (what makes a long tail's steps slower than its batch size
+says; paged attention makes it linear).
 """
 
 from __future__ import annotations
