@@ -331,6 +331,18 @@ def run_steps(ctl, profile, group, batch, seconds, n=Controller.GUARD_SKIP + Con
         ctl.step()
 
 
+def merged(replica_seconds, **controller):
+    """A controller (cooldown 0) whose replica of rank 0 ran its steps at replica_seconds, and which then merged the
+    TAIL into TP2: (controller, profile, the rest of decide()'s arguments)."""
+    profile = Profile(PROFILE)
+    ctl = Controller([1, 2], cooldown_steps=0, **controller)
+    args = (profile, LengthPredictor(4), COSTS)
+    run_steps(ctl, profile, (0,), 1, replica_seconds)
+    assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
+    ctl.regrouped()
+    return ctl, profile, args
+
+
 def test_guard_splits_back_a_merge_that_lied_and_raises_the_margin():
     # The profile says a TP2 step of 2 takes 0.6 s; it takes 2 s. Corrected, the row is scaled by 2 / 0.6: T2(1) =
     # 4/3. Staying merged, n = 2, 2/3, 1/3 takes 2 + 4/3 s; split back, rank 0's request (n = 1, 2/3, 1/3) 2 s at
@@ -400,12 +412,7 @@ def test_guard_takes_a_lost_correction_back_later_and_backs_off_while_the_size_k
 
 def test_guard_does_not_judge_a_group_by_its_first_step():
     # A merged group's first step warms up (here 10 s); the next GUARD_STEPS deliver what was predicted.
-    profile = Profile(PROFILE)
-    ctl = Controller([1, 2], cooldown_steps=0)
-    args = (profile, LengthPredictor(4), COSTS)
-    run_steps(ctl, profile, (0,), 1, 1.0)
-    assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
-    ctl.regrouped()
+    ctl, profile, args = merged(1.0)
     run_steps(ctl, profile, (0, 1), 2, 10.0, n=Controller.GUARD_SKIP)
     run_steps(ctl, profile, (0, 1), 2, 0.6, n=Controller.GUARD_STEPS - 1)
     assert not ctl.due(2)  # GUARD_STEPS steps after the skipped ones, not yet
@@ -416,24 +423,14 @@ def test_guard_does_not_judge_a_group_by_its_first_step():
 
 def test_guard_off_trusts_the_profile_and_keeps_merging():
     # The negative control: the same steps, the guard off.
-    profile = Profile(PROFILE)
-    ctl = Controller([1, 2], cooldown_steps=0, guard=False)
-    args = (profile, LengthPredictor(4), COSTS)
-    run_steps(ctl, profile, (0,), 1, 1.0)
-    assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
-    ctl.regrouped()
+    ctl, profile, args = merged(1.0, guard=False)
     run_steps(ctl, profile, (0, 1), 2, 1.5)
     assert ctl.verdicts == [] and not ctl.due(2) and profile.step_seconds(2, 2) == pytest.approx(0.6)
     assert ctl.decide((1, 1), TAIL, *args).layout == (2,)  # the next tail merges again
 
 
 def test_guard_keeps_a_merge_that_delivers():
-    profile = Profile(PROFILE)
-    ctl = Controller([1, 2], cooldown_steps=0)
-    args = (profile, LengthPredictor(4), COSTS)
-    run_steps(ctl, profile, (0,), 1, 1.2)
-    assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
-    ctl.regrouped()
+    ctl, profile, args = merged(1.2)
     run_steps(ctl, profile, (0, 1), 2, 0.7)
     assert ctl.decide((2,), {(0, 1): [(11, 1), (13, 3)]}, *args).layout is None
     assert ctl.verdicts[-1].line.startswith("guard: 1+1->2 held") and not ctl.verdicts[-1].lost
