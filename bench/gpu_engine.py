@@ -319,7 +319,7 @@ def decode_case(result: dict, model: Transformer, case: DecodeCase, clock: Clock
         step = statistics.median(seconds)
         kv_bytes = statistics.mean(attended) * cfg.kv_bytes_per_token(element)
         roofline = (read_weights + kv_bytes) / hbm
-        inputs = engine.decode_inputs(list(engine.running))
+        inputs = engine.decode_inputs()
         run = engine._captured(inputs) if mode == "captured" else engine.decode_fn
         device_time = clock.per_call(lambda run=run, inputs=inputs: run(*inputs), 20 if clock.cuda else 3)
         result[mode] = {"step_ms": round(step * 1e3, 3), "step_ms_min": round(min(seconds) * 1e3, 3),
@@ -579,9 +579,9 @@ def _count_steps(counts: dict) -> None:
         counts["graph_steps"] += 1
         return replay
 
-    def counted_step(self, rows):
+    def counted_step(self):
         graphs = counts["graph_steps"]
-        out = step(self, rows)
+        out = step(self)
         counts["eager_steps"] += counts["graph_steps"] == graphs
         return out
     Engine._captured, Engine._decode_step = counted_capture, counted_step

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from pat_workers.engine.batch import DecodeBatch
 from pat_workers.engine.comm import SoloCommunicator
 from pat_workers.engine.engine import Engine, Request
 from pat_workers.engine.kv import PagedKV
@@ -95,6 +96,46 @@ def test_a_full_pool_preempts_the_newest_and_recomputes_it(model):
     assert preempted > 0
     assert not mismatches(alone, done)
     assert engine.kv.free_blocks == 12 and not engine.tables  # every block came back
+
+
+def rebuilt(engine: Engine) -> DecodeBatch:
+    """The device batch built at once from the engine's request lists: what the kept one must equal."""
+    batch = DecodeBatch(engine.capacity, engine.head_groups, engine.blocks_per_seq, engine.kv.block_size,
+                        engine.model.cfg.vocab_size, engine.model.device)
+    batch.add(engine.running, engine.tables)
+    return batch
+
+
+def test_the_device_batch_changes_in_place_and_equals_one_built_from_the_requests(model, monkeypatch):
+    """Rows join (sharing a prompt), grow into new blocks, finish and are preempted: after every step the kept
+    batch, padding slots included, is the one the request lists give. A step looks at a row on the host only when
+    it joins or its next position starts a block."""
+    requests = [Request(r.id, r.prompt, dataclasses.replace(r.params, max_tokens=30 + 7 * i, temperature=1.0,
+                                                            top_k=8 * (i % 3), seed=i))
+                for i, r in enumerate(make_requests(8))]
+    requests += [Request(f"share{k}", requests[0].prompt, SamplingParams(max_tokens=20, seed=k)) for k in range(2)]
+    engine = Engine(model, OneRankPool(), max_batch=6, max_seq=192, kv_blocks=13)
+    looked_at = []
+    writable = engine._writable
+    monkeypatch.setattr(engine, "_writable", lambda r: looked_at.append((r.id, r.cached)) or writable(r))
+    engine.add(requests[:4])
+    steps = preempted = looks = rows = 0
+    while engine.has_work():
+        if steps == 3:
+            engine.add(requests[4:])
+        looked_at.clear()
+        before = {r.id: r.cached for r in engine.running if r.cached}
+        stats = engine.step()
+        steps, preempted = steps + 1, preempted + stats.preempted
+        kept, fresh_batch = engine._batch, rebuilt(engine)
+        assert [r.id for r in kept.rows] == [r.id for r in engine.running]
+        for a, b in zip((*kept._device(), kept.cached), (*fresh_batch._device(), fresh_batch.cached)):
+            assert a.equal(b), steps
+        assert kept._needs == fresh_batch._needs
+        # Rows already decoding are looked at only at a block boundary.
+        assert all(c % 16 == 0 for rid, c in looked_at if rid in before), (steps, looked_at)
+        looks, rows = looks + len(looked_at), rows + stats.batch
+    assert steps > 30 and preempted > 0 and looks < rows / 5, (looks, rows)
 
 
 def test_too_small_a_pool_is_refused(model):

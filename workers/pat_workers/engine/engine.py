@@ -8,19 +8,20 @@ A step: admit waiting requests while blocks are free (the G samples of one promp
 prefill what has no cache, give each decoding row a block for its next position (copy on write where a block is
 shared, preempting the newest request back to the queue when the pool is full), then one decode step: forward and
 sampling on the device in shapes fixed per (batch, context) bucket, captured in a CUDA graph on GPUs, and one
-device-to-host copy of the tokens and log-probabilities.
+device-to-host copy of the tokens and log-probabilities. The step's inputs stay on the device between steps
+(batch.DecodeBatch): the host writes only the rows that join or leave and the table entries of new blocks.
 """
 
 from __future__ import annotations
 
 import time
-from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from .batch import DecodeBatch
 from .comm import CommunicatorPool
 from .faults import failpoint
 from .kv import KVFull, PagedKV
@@ -85,6 +86,7 @@ class Engine:
                           mask_rows=max_batch * self.max_tp)  # a step's rows x head groups, at any TP
         self.tables: dict[str, list[list[int]]] = {}  # request id -> its blocks here, per head group held
         self.running: list[Request] = []  # admission order: the last is the first preempted
+        self._batch: DecodeBatch | None = None  # the decode inputs of running[:len(_batch)] (None: built anew)
         self.waiting: deque[Request] = deque()
         self.preemptions = 0
         self._shares: dict[str, Request] = {}  # a fresh request -> the one prefilling the same prompt for it
@@ -99,12 +101,23 @@ class Engine:
         self.decode_fn = torch.compile(self._decode, fullgraph=True) if compile_step else self._decode
         self.join((self.rank,))
 
+    @property
+    def running(self) -> list[Request]:
+        return self._running
+
+    @running.setter
+    def running(self, requests: list[Request]) -> None:
+        """A new running list (a regroup's): the device batch is built anew from it at the next step. Requests
+        appended to the list join the batch at the next step; the engine removes what leaves it."""
+        self._running, self._batch = requests, None
+
     # -- the group ---------------------------------------------------------------------------------------
     def join(self, group: tuple[int, ...]) -> None:
         """Makes `group` this rank's TP group: weight views for its shard (the caller moves the blocks)."""
         self.group = group
         self.comm = self.pool.get(group)
         self.shard = self.model.shard(len(group), group.index(self.rank))
+        self._batch = None  # a table per head group: their number changes with the group
 
     @property
     def tp(self) -> int:
@@ -139,6 +152,7 @@ class Engine:
             raise RuntimeError(f"{len(self.running) + len(self.waiting)} request(s) are in the engine: release its "
                                f"memory between batches")
         self.kv.release_memory()
+        self._batch = None
         self._graphs.clear()
         self._graph_pool = None
         if self.model.device.type == "cuda":
@@ -172,6 +186,8 @@ class Engine:
         r.cached = 0
         self.preemptions += 1
         self.running.remove(r)
+        if self._batch is not None:
+            self._batch.remove([r.id])
         self.waiting.appendleft(r)
 
     def _writable(self, r: Request) -> bool:
@@ -208,14 +224,10 @@ class Engine:
         fresh = sum(not r.output for r in self.running)
         prefill_tokens = self.prefill_pending()
         finished = self._release()
-        decoding, i = [], 0
-        while i < len(self.running):  # a row preempted for want of a block is the last one: the loop ends there
-            if self._writable(self.running[i]):
-                decoding.append(self.running[i])
-                i += 1
-        batch = len(decoding)
+        self._grow()
+        batch = len(self.running)
         if batch:
-            self._accept(decoding, *self._decode_step(decoding))
+            self._accept(list(self.running), *self._decode_step())
             finished += self._release()
             if self.tp > 1:
                 failpoint("decode.tp", self.rank)  # tests: a slow link, which no start-up profile foresaw
@@ -265,6 +277,21 @@ class Engine:
             total += self._prefill([r for r, _ in run], [c for _, c in run], width)
         return total
 
+    def _grow(self) -> None:
+        """Gives each running row the block of its next position and brings the device batch up to date. Only rows
+        at a block boundary and rows new to the batch are looked at: a row inside a block wrote its previous
+        position there, so that block is its own."""
+        if self._batch is None:
+            self._batch = DecodeBatch(self.capacity, self.head_groups, self.blocks_per_seq, self.kv.block_size,
+                                      self.model.cfg.vocab_size, self.model.device)
+        batch = self._batch
+        due = [batch.rows[s] for s in batch.at_boundary()] + self.running[len(batch):]
+        grown = [(r, r.cached // self.kv.block_size) for r in due if r.id in self.tables and self._writable(r)]
+        # Preemptions (of the newest rows) may have moved slots meanwhile: the entries are placed by id.
+        batch.set_blocks([(batch.slot(r.id), j, [blocks[j] for blocks in self.tables[r.id]])
+                          for r, j in grown if r.id in batch])
+        batch.add(self.running[len(batch):], self.tables)
+
     def _prefill(self, run: list[Request], contexts: list[list[int]], width: int) -> int:
         device = self.model.device
         tokens = torch.tensor([c + [0] * (width - len(c)) for c in contexts], device=device)
@@ -287,17 +314,10 @@ class Engine:
             self._accept(sampled, *self._sample(logits[rows], sampled))
         return sum(map(len, contexts))
 
-    def _table_tensor(self, rows: list[Request], width: int, batch: int | None = None) -> torch.Tensor:
-        """Block tables [batch, g, width] of the rows, padded with scratch (block 0). Built flat in an array and
-        viewed: a quarter of the host time of a tensor from nested lists (0.5 vs 2 ms at 128 rows x 128 blocks)."""
-        g = self.head_groups
-        flat, zeros = array("q"), array("q", bytes(8 * width))
-        for r in rows:
-            for blocks in self.tables[r.id]:
-                flat.extend(blocks[:width])
-                flat.extend(zeros[:width - min(len(blocks), width)])
-        flat.extend(zeros * (g * ((batch or len(rows)) - len(rows))))
-        return torch.frombuffer(flat, dtype=torch.int64).view(-1, g, width).to(self.model.device)
+    def _table_tensor(self, rows: list[Request], width: int) -> torch.Tensor:
+        """Block tables [rows, g, width] of a prefill's rows: their first `width` blocks, padded with scratch."""
+        return torch.tensor([blocks[:width] + [0] * (width - len(blocks[:width])) for r in rows
+                             for blocks in self.tables[r.id]], device=self.model.device).view(len(rows), -1, width)
 
     def _sample(self, logits: torch.Tensor, rows: list[Request]) -> tuple[list[int], list[float]]:
         device = logits.device
@@ -312,17 +332,13 @@ class Engine:
         return packed[0].tolist(), packed[1].view(torch.float32).tolist()
 
     # -- the decode step ---------------------------------------------------------------------------------
-    def decode_inputs(self, rows: list[Request]) -> tuple:
-        """The decode step's device inputs for the rows, padded to their (batch, context) bucket for graphs."""
-        device, n = self.model.device, len(rows)
-        width = max(r.cached // self.kv.block_size + 1 for r in rows)
-        b, width = (bucket(n, self.capacity), bucket(width, self.blocks_per_seq)) if self.static_shapes else (n, width)
-        pad = b - n
-        tokens = torch.tensor([r.output[-1] for r in rows] + [0] * pad, device=device)
-        positions = torch.tensor([r.cached for r in rows] + [0] * pad, device=device)
-        params = SamplingBatch.build([r.params for r in rows], self.model.cfg.vocab_size, device, rows=b)
-        steps = torch.tensor([len(r.output) for r in rows] + [0] * pad, device=device)
-        return tokens, positions, self._table_tensor(rows, width, b), params, steps
+    def decode_inputs(self) -> tuple:
+        """The next decode step's device inputs (views of the batch's), padded to their (batch, context) bucket
+        for graphs: rows are the running requests, each with the block of its next position."""
+        n, width = len(self._batch), self._batch.width()
+        if self.static_shapes:
+            n, width = bucket(n, self.capacity), bucket(width, self.blocks_per_seq)
+        return self._batch.inputs(n, width)
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, params: SamplingBatch,
                 steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,16 +350,21 @@ class Engine:
         """The decode step as it is served, on device inputs shaped as decode_inputs() makes them: captured,
         compiled or eager, then the one device-to-host copy of its tokens and log-probabilities. The start-up
         profile (engine.costs) times this."""
+        return self._fetch(*self._device_step(inputs))
+
+    def _device_step(self, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         # A graph holds NCCL collectives; gloo and shared memory run on the host, where no graph can hold them.
         capturable = self._cuda_graphs and (self.tp == 1 or self.pool.backend == "nccl")
-        run = self._captured(inputs) if capturable else self.decode_fn
-        return self._fetch(*run(*inputs))
+        return (self._captured(inputs) if capturable else self.decode_fn)(*inputs)
 
-    def _decode_step(self, rows: list[Request]) -> tuple[list[int], list[float]]:
-        tokens, logprobs = self.run_decode(self.decode_inputs(rows))
-        for r in rows:
+    def _decode_step(self) -> tuple[list[int], list[float]]:
+        tokens, logprobs = self._device_step(self.decode_inputs())
+        self._batch.advance(tokens)
+        n = len(self.running)
+        for r in self.running:
             r.cached += 1
-        return tokens[:len(rows)], logprobs[:len(rows)]
+        tokens, logprobs = self._fetch(tokens, logprobs)
+        return tokens[:n], logprobs[:n]
 
     def _captured(self, inputs: tuple) -> Callable:
         """The decode step as a CUDA graph per (group, batch bucket, context bucket, sort width), captured on first
@@ -389,5 +410,8 @@ class Engine:
         finished = [r for r in self.running if r.finish_reason]
         for r in finished:
             self.free(r)
-        self.running = [r for r in self.running if not r.finish_reason]
+        if finished:
+            self._running = [r for r in self.running if not r.finish_reason]
+            if self._batch is not None:
+                self._batch.remove(r.id for r in finished)
         return finished

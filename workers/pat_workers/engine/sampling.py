@@ -64,24 +64,34 @@ class SamplingBatch:
         rows = len(params) if rows is None else rows
         if rows < len(params):
             raise ValueError(f"rows={rows} is fewer than the {len(params)} requests")
-        # Filters that cannot change a token force no sort: a greedy row's, a top_k of the whole vocabulary.
-        params = [p if p.temperature > 0 else SamplingParams() for p in params]
-        params += [SamplingParams()] * (rows - len(params))
-        top_k = [p.top_k if p.top_k < vocab else 0 for p in params]
-        need = [k or (vocab if p.top_p < 1 else 0) for k, p in zip(top_k, params)]
+        values = [row_values(p, vocab) for p in params] + [row_values(SamplingParams(), vocab)] * (rows - len(params))
+        temperature, top_p, top_k, seed, need = zip(*values) if values else ((),) * 5
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            seed=torch.tensor([p.seed for p in params], dtype=torch.int64, device=device),
-            # A power of two (at most the vocabulary): any width a row needs or more gives it the same token, and
-            # a captured decode step is one graph per width.
-            sort_k=min(1 << (max(need, default=0) - 1).bit_length(), vocab) if any(need) else 0,
+            seed=torch.tensor(seed, dtype=torch.int64, device=device),
+            sort_k=sort_width(need, vocab),
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The per-row tensors in field order: SamplingBatch(*batch.tensors(), sort_k=batch.sort_k) rebuilds it."""
         return self.temperature, self.top_p, self.top_k, self.seed
+
+
+def row_values(p: SamplingParams, vocab: int) -> tuple[float, float, int, int, int]:
+    """A row's (temperature, top_p, top_k, seed) as SamplingBatch holds them, and the sort width it needs."""
+    if p.temperature <= 0:  # filters that cannot change a token force no sort: a greedy row's
+        p = SamplingParams()
+    top_k = p.top_k if p.top_k < vocab else 0  # nor does a top_k of the whole vocabulary
+    return p.temperature, p.top_p, top_k, p.seed, top_k or (vocab if p.top_p < 1 else 0)
+
+
+def sort_width(needs: Sequence[int], vocab: int) -> int:
+    """SamplingBatch.sort_k for rows needing these widths: a power of two (at most the vocabulary), since any width a
+    row needs or more gives it the same token, and a captured decode step is one graph per width."""
+    need = max(needs, default=0)
+    return min(1 << (need - 1).bit_length(), vocab) if need else 0
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
