@@ -17,6 +17,7 @@ Pure Python: the pod's coordinator calls plan() between decode steps, and the op
 from __future__ import annotations
 
 import math
+import statistics
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -440,7 +441,8 @@ class Controller:
     batches.
 
     Every step also refines the profile slowly (Profile.observe). With guard=False the profile is trusted as it
-    was given.
+    was given. The regroup costs' fixed part is measured too: regrouped(seconds) compares what an applied regroup
+    took with what its plan predicted (regroup_costs).
     """
 
     REPLAN_STEPS = 16  # decode steps (of any group) between decisions while no request finishes
@@ -448,6 +450,7 @@ class Controller:
     GUARD_STEPS = 4  # decode steps that judge a regrouped group: the median, so one outlier step does not
     GUARD_RAISE = 0.25  # a losing regroup adds this to the margin for the rest of its batch
     DOUBT_BATCHES = 2  # batch starts until a lost verdict's correction is taken back, doubled per loss in a row
+    FIXED_OBSERVED = 8  # regroups whose measured fixed part (median) replaces RegroupCosts.fixed_seconds
 
     def __init__(self, tp_sizes: Sequence[int], margin: float = 0.1, cooldown_steps: int = 4, guard: bool = True):
         if cooldown_steps < 0:
@@ -466,11 +469,21 @@ class Controller:
         self._base: Layout | None = None  # the layout this batch started in, while no verdict of this batch lost
         self._losses: dict[int, int] = {}  # TP size -> lost verdicts in a row
         self._doubts: dict[int, tuple[tuple[float, ...], int]] = {}  # TP size -> (its row before, batch starts left)
+        self._proposed: tuple[float, float] | None = None  # (predicted cost, fixed_seconds in it) of the regroup
+        self._fixed: deque[float] = deque(maxlen=self.FIXED_OBSERVED)  # fixed parts of the last regroups applied
         self.verdicts: list[Verdict] = []  # one per judged group, for the pod's log and metrics
 
     @property
     def effective_margin(self) -> float:
         return self.margin + (self.GUARD_RAISE if self._raised else 0.0)
+
+    def regroup_costs(self, costs: RegroupCosts) -> RegroupCosts:
+        """`costs` with the fixed part measured: the median over the last FIXED_OBSERVED regroups applied (their time
+        less what the plan predicted for moving and recomputing requests), once one was. The start value is a guess
+        (barrier, commit, bookkeeping), and what a regroup costs depends on the host and the ranks' link."""
+        if not self._fixed:
+            return costs
+        return replace(costs, fixed_seconds=statistics.median(self._fixed))
 
     def step(self) -> None:
         """One decode step happened."""
@@ -514,6 +527,7 @@ class Controller:
         """plan() during a batch, unless a regroup is in flight, cooling down or on trial; after a trial, whether
         to split back. Call regrouped() once a proposed layout has been applied (or has failed)."""
         self._decided_for, self._steps_since = sum(map(len, running.values())), 0
+        costs = self.regroup_costs(costs)
         if self._in_flight:
             return Decision(None, 0.0, 0.0, 0.0, "in flight: the proposed regroup is not applied yet")
         # A trial ends without a verdict when its group is gone (a failed regroup) or has nothing left to run.
@@ -529,6 +543,7 @@ class Controller:
                 self._doubt(len(group), factor, before, lost)
             if lost:
                 self._in_flight, self._raised, self._base = True, True, None
+                self._proposed = (split.cost_seconds, costs.fixed_seconds)
             return split  # one plan() per decide(): planning is CPU the ranks need
         if self._cooldown:
             return Decision(None, 0.0, 0.0, 0.0, f"cooldown: {self._cooldown} more decode step(s) after the "
@@ -540,10 +555,16 @@ class Controller:
         self._in_flight = decision.layout is not None
         if decision.layout is not None:
             self._try(layout, decision.layout, {g: len(r) for g, r in running.items()}, profile)
+            self._proposed = (decision.cost_seconds, costs.fixed_seconds)
         return decision
 
-    def regrouped(self) -> None:
-        """A regroup was applied: start the cooldown, and the trials of the groups it formed."""
+    def regrouped(self, seconds: float | None = None) -> None:
+        """A regroup was applied, taking `seconds` (its slowest rank's, from when all were at the step boundary;
+        None: not measured, or it failed): start the cooldown, and the trials of the groups it formed."""
+        if seconds is not None and self._proposed is not None:
+            predicted, fixed = self._proposed
+            self._fixed.append(max(seconds - (predicted - fixed), 0.0))
+        self._proposed = None
         self._in_flight, self._cooldown = False, self.cooldown_steps
         for trial in self._trials.values():
             trial.steps = []
@@ -557,8 +578,9 @@ class Controller:
         but a start that held is, and without it a layout that wins every batch by less than the margin would be
         given up at every boundary. Resets the cooldown; the caller applies the layout before submitting, no
         regrouped() needed."""
-        self._in_flight, self._cooldown, self._decided_for = False, 0, None
+        self._in_flight, self._cooldown, self._decided_for, self._proposed = False, 0, None, None
         self._trials, self._recheck, self._recent = {}, {}, {}
+        costs = self.regroup_costs(costs)
         self._raised = False
         for tp, (row, left) in list(self._doubts.items()):
             if left > 1:

@@ -306,6 +306,23 @@ def test_controller_waits_for_the_regroup_and_then_cools_down():
     assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
 
 
+def test_controller_plans_with_the_regroup_fixed_cost_it_measured():
+    # The merge of TAIL is predicted at 0.32 s: 0.1 fixed (the start guess) + 0.22 to reshard the two requests. It
+    # took 1.5 s: the fixed part measured is 1.28 s, and the same merge (1.35 + 1.5 s) no longer beats 2.5 s.
+    ctl = Controller([1, 2], cooldown_steps=0, guard=False)
+    args = (Profile(PROFILE), LengthPredictor(4), COSTS)
+    assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
+    ctl.regrouped()  # not measured (or failed): the guess stays
+    assert ctl.regroup_costs(COSTS) == COSTS
+    assert ctl.decide((1, 1), TAIL, *args).layout == (2,)
+    ctl.regrouped(1.5)
+    assert ctl.regroup_costs(COSTS).fixed_seconds == pytest.approx(1.28)
+    assert_decision(ctl.decide((1, 1), TAIL, *args), None, 2.5, 1.35, 1.5, "stay: the regroup cost eats the gain")
+    ctl.regrouped(0.0)  # nothing was proposed: nothing to learn from
+    ctl.start_batch(2, [10], *args)  # the measurement outlives the batch
+    assert ctl.regroup_costs(COSTS).fixed_seconds == pytest.approx(1.28)
+
+
 def test_controller_is_due_when_a_request_finished_or_after_replan_steps():
     ctl = Controller([1, 2])
     args = (Profile(PROFILE), LengthPredictor(4), COSTS)

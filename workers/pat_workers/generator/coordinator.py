@@ -236,8 +236,9 @@ class Coordinator:
                                      self.config.cooldown_steps, self.config.guard)
 
     def _export_costs(self) -> None:
-        self.gen.metrics.set_costs(self.profile.to_json(), self.costs.fixed_seconds, self.costs.kv_seconds_per_token,
-                                   dict(self.costs.prefill))
+        costs = self.controller.regroup_costs(self.costs) if self.controller else self.costs  # as measured
+        self.gen.metrics.set_costs(self.profile.to_json(), costs.fixed_seconds, costs.kv_seconds_per_token,
+                                   dict(costs.prefill))
 
     def _on_step(self, record: StepRecord) -> None:
         decode = record.batch and not record.prefill_tokens  # prefill is costed apart
@@ -262,18 +263,22 @@ class Coordinator:
             log.info("%s", verdict.line)
             self.gen.metrics.guard_verdicts.labels("lost" if verdict.lost else "held").inc()
         if decision.layout is not None:
-            self._apply(decision)
-            self.controller.regrouped()
+            self.controller.regrouped(self._apply(decision))
 
-    def _apply(self, decision: Decision) -> None:
+    def _apply(self, decision: Decision) -> float | None:
+        """Applies a planned regroup; returns its seconds (the slowest rank's), None if it was not applied."""
         old = self.gen.layout
         try:
             reports = self.gen.regroup(decision.layout)
         except layouts.LayoutError as e:  # e.g. a block whose communicator failed earlier
             log.warning("planned regroup %s -> %s not applied: %s", old, decision.layout, e)
-            return
-        log.info("regroup %s -> %s (epoch %d, %s) with %d request(s) unfinished: %s", old, self.gen.layout,
-                 self.gen.epoch, _outcome(reports), sum(self.gen.loads().values()), decision.reason)
+            return None
+        applied = [r.seconds["total"] for r in reports if r.outcome == "applied"]
+        seconds = max(applied) if applied and all(r.outcome in ("applied", "unchanged") for r in reports) else None
+        log.info("regroup %s -> %s (epoch %d, %s%s) with %d request(s) unfinished: %s", old, self.gen.layout,
+                 self.gen.epoch, _outcome(reports), f", {1e3 * seconds:.3g} ms" if seconds is not None else "",
+                 sum(self.gen.loads().values()), decision.reason)
+        return seconds
 
     # -- batches ----------------------------------------------------------------------------------------
     def _collect_finished(self) -> None:
