@@ -50,6 +50,29 @@ def test_weight_updates_write_through_the_fused_layout(tmp_path):
     assert (shard.layers[1].wqkv[changed] == 1).all()
 
 
+def test_prepacked_gemms_equal_f_linear_and_are_made_again_after_a_weight_update(tmp_path):
+    """CPU steps run their GEMMs on oneDNN-prepacked copies of the weights: the same products as F.linear (within
+    float32 rounding), kept per TP shard, and stale after a weight sync until weights_changed()."""
+    from pat_workers.engine.model import mlp
+
+    cfg, weights = load_model(make_tiny_model(tmp_path, seed=0))
+    model = Transformer(cfg, weights)
+    h = torch.randn(2, 8, cfg.hidden_size)  # 16 rows: the prepacked path (one row takes F.linear's GEMV)
+    for tp, index in ((1, 0), (2, 1)):
+        plain, packed = model.shard(tp, index).layers[0], model.shard(tp, index, prepack=True).layers[0]
+        assert packed.packed is not None and plain.packed is None
+        torch.testing.assert_close(mlp(packed, h), mlp(plain, h), atol=1e-5, rtol=1e-5)
+    assert model.shard(2, 1, prepack=True).layers[0] is packed  # kept, not packed again per call
+    down = weights["model.layers.0.mlp.down_proj.weight"]
+    down.mul_(2)  # as a weight sync writes: in place
+    plain = model.shard(1, 0).layers[0]
+    stale = model.shard(1, 0, prepack=True).layers[0]
+    assert not torch.allclose(mlp(stale, h), mlp(plain, h), atol=1e-3)  # the check can fail
+    model.weights_changed()
+    torch.testing.assert_close(mlp(model.shard(1, 0, prepack=True).layers[0], h), mlp(plain, h), atol=1e-5,
+                               rtol=1e-5)
+
+
 def test_paged_decode_attention_reads_each_rows_own_blocks():
     """Rows of different lengths over blocks in any order: the paged kernel equals attention over each row's own
     gathered keys; a row given another position attends to a different set (the check can fail)."""

@@ -14,6 +14,7 @@ device-to-host copy of the tokens and log-probabilities. The step's inputs stay 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from .faults import failpoint
 from .kv import KVFull, PagedKV
 from .model import Transformer
 from .sampling import SamplingBatch, SamplingParams, sample
+
+log = logging.getLogger(__name__)
 
 PREFILL_TOKENS_PER_FORWARD = 4096  # padded tokens in one batched prefill: bounds its activation memory
 
@@ -99,6 +102,10 @@ class Engine:
         # the elementwise work around the GEMMs; the KV write and the attention are ops of their own). Not frozen: a
         # weight sync writes the weights in place, and frozen (prepacked) weights would be stale copies.
         self.decode_fn = torch.compile(self._decode, fullgraph=True) if compile_step else self._decode
+        # Eager CPU steps run their GEMMs on weights prepacked for oneDNN (model.prepacked: a copy per TP size held).
+        self.prepack = model.device.type == "cpu" and not compile_step and torch.backends.mkldnn.is_available()
+        if model.device.type == "cpu" and not compile_step and not self.prepack:
+            log.warning("this torch build has no oneDNN: the decode step's GEMMs run on unpacked weights (slower)")
         self.join((self.rank,))
 
     @property
@@ -116,8 +123,13 @@ class Engine:
         """Makes `group` this rank's TP group: weight views for its shard (the caller moves the blocks)."""
         self.group = group
         self.comm = self.pool.get(group)
-        self.shard = self.model.shard(len(group), group.index(self.rank))
+        self.shard = self.model.shard(len(group), group.index(self.rank), prepack=self.prepack)
         self._batch = None  # a table per head group: their number changes with the group
+
+    def weights_changed(self) -> None:
+        """The replica's weights were written in place (a weight sync): the shard's prepacked copies are made again."""
+        self.model.weights_changed()
+        self.join(self.group)
 
     @property
     def tp(self) -> int:

@@ -237,4 +237,6 @@ def _receive_weights(engine: Engine, receivers: dict, version: int, address: str
         receivers[key].receive(engine.model.w, version, engine.model.hf_shapes)
     except WeightSyncError as refused:
         return str(refused)
+    finally:  # even a refused round may have written some weights
+        engine.weights_changed()
     return None
