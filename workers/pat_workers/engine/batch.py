@@ -78,9 +78,10 @@ class DecodeBatch:
             return
         n = len(self.rows)
         keep = [s for s in range(n) if s not in gone]
-        m, index = len(keep), torch.tensor(keep, dtype=torch.int64, device=self.tokens.device)
+        m, index = len(keep), torch.tensor(keep, dtype=torch.int64)  # on the host: the host mirror reads it too
+        on_device = index.to(self.tokens.device)
         for t, pad in zip((*self._device(), self.cached), (*self._pad, 0)):
-            t[:m] = t.index_select(0, index.to(t.device))
+            t[:m] = t.index_select(0, on_device if t.device == on_device.device else index)
             t[m:n] = pad
         self.rows = [self.rows[s] for s in keep]
         self._needs = [self._needs[s] for s in keep]

@@ -14,7 +14,6 @@ device-to-host copy of the tokens and log-probabilities. The step's inputs stay 
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,8 +27,6 @@ from .faults import failpoint
 from .kv import KVFull, PagedKV
 from .model import Transformer
 from .sampling import SamplingBatch, SamplingParams, sample
-
-log = logging.getLogger(__name__)
 
 PREFILL_TOKENS_PER_FORWARD = 4096  # padded tokens in one batched prefill: bounds its activation memory
 
@@ -102,10 +99,10 @@ class Engine:
         # the elementwise work around the GEMMs; the KV write and the attention are ops of their own). Not frozen: a
         # weight sync writes the weights in place, and frozen (prepacked) weights would be stale copies.
         self.decode_fn = torch.compile(self._decode, fullgraph=True) if compile_step else self._decode
-        # Eager CPU steps run their GEMMs on weights prepacked for oneDNN (model.prepacked: a copy per TP size held).
-        self.prepack = model.device.type == "cpu" and not compile_step and torch.backends.mkldnn.is_available()
-        if model.device.type == "cpu" and not compile_step and not self.prepack:
-            log.warning("this torch build has no oneDNN: the decode step's GEMMs run on unpacked weights (slower)")
+        # Eager float32 CPU steps run their GEMMs on weights prepacked for oneDNN (model.prepacked: a copy per TP
+        # size held). Not bfloat16: oneDNN's bf16 GEMM needs CPU instructions a host may lack.
+        self.prepack = (model.device.type == "cpu" and model.dtype == torch.float32 and not compile_step
+                        and torch.backends.mkldnn.is_available())
         self.join((self.rank,))
 
     @property
