@@ -491,8 +491,20 @@ class Tokenizer(_Model):
     path: str | None = Field(None, description="directory with tokenizer.json; default: the model's own")
 
 
+# Pod settings that a colocated pod takes from generator: a trainer value that differs cannot be honoured.
+COLOCATED_POD_FIELDS = ("replicas", "gpus_per_pod", "image", "image_pull_policy", "image_pull_secrets", "command",
+                        "resources", "node_selector", "tolerations", "affinity")
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # GPU feature discovery's node label
+
+
 class RLHFJobSpec(_Model):
     """What the job trains, on which prompts, and how its pods run; only runPolicy may change once it exists."""
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated", description="colocated: one gang of pods (generator.replicas, each generator.gpusPerPod GPUs), "
+        "every GPU hosting a trainer rank and an engine rank that take turns: all GPUs generate, then all train, as "
+        "verl's hybrid engine does; the pods take their settings from generator, the trainer's env and volumes are "
+        "added. separate: trainer pods and generator pods, each idle while the other works; for scaling the roles "
+        "independently or on different GPU types")
     model: ModelSource
     tokenizer: Tokenizer = Tokenizer()
     dataset: Dataset
@@ -504,8 +516,38 @@ class RLHFJobSpec(_Model):
     scheduling: Scheduling = Scheduling()
     run_policy: RunPolicy = RunPolicy()
 
-    @model_validator(mode="after")
-    def _fits(self) -> RLHFJobSpec:
+    @model_validator(mode="wrap")
+    @classmethod
+    def _placed(cls, data: Any, handler) -> RLHFJobSpec:
+        """Colocated: the trainer runs on the generator pods' GPUs, so its pod shape is theirs (filled in where left
+        out, refused where it differs)."""
+        spec = handler(data)
+        if spec.placement == "separate":
+            return spec.checked()
+        t, g = spec.trainer, spec.generator
+        if g.engine == "vllm" and not g.gpus_per_pod:
+            raise ValueError("spec.placement: colocated runs vLLM with its sleep mode, which needs CUDA: on CPU "
+                             "(generator.gpusPerPod: 0) set spec.placement: separate")
+        theirs, ours = t.node_selector.get(GPU_PRODUCT_LABEL), g.node_selector.get(GPU_PRODUCT_LABEL)
+        if "node_selector" in t.model_fields_set and theirs != ours:
+            raise ValueError(f"spec.placement: colocated puts both roles on the same GPUs, so they cannot select "
+                             f"different GPU types (trainer.nodeSelector {GPU_PRODUCT_LABEL}={theirs!r}, generator's "
+                             f"{ours!r}): use spec.placement: separate, or leave trainer.nodeSelector out")
+        for name in COLOCATED_POD_FIELDS:
+            if name in t.model_fields_set and getattr(t, name) != getattr(g, name):
+                field = to_camel(name)
+                raise ValueError(f"spec.placement: colocated runs both roles in the generator pods: trainer.{field}="
+                                 f"{_show(getattr(t, name))} differs from generator.{field}={_show(getattr(g, name))}; "
+                                 f"leave trainer.{field} out (or use spec.placement: separate)")
+        if "ranks_per_pod" in t.model_fields_set and t.ranks != g.ranks:
+            raise ValueError(f"spec.placement: colocated runs a trainer rank beside each of the {g.ranks} engine "
+                             f"ranks per pod: trainer.ranksPerPod={t.ranks_per_pod} differs; leave it out")
+        trainer = t.model_copy(update={"replicas": g.replicas, "gpus_per_pod": g.gpus_per_pod,
+                                       "ranks_per_pod": None if g.gpus_per_pod else g.ranks})
+        return spec.model_copy(update={"trainer": trainer}).checked()
+
+    def checked(self) -> RLHFJobSpec:
+        """Checks across sections, on the trainer as it runs (colocated: the generator pods' shape)."""
         responses = self.algorithm.prompts_per_iteration * self.algorithm.samples_per_prompt
         world = self.trainer.world_size
         if responses < self.algorithm.mini_batches * world:
@@ -524,6 +566,10 @@ class RLHFJobSpec(_Model):
             raise ValueError(f"algorithm.maxResponseTokens={self.algorithm.max_response_tokens} leaves no room "
                              f"for the prompt in generator.maxSeq={self.generator.max_seq}; raise maxSeq")
         return self
+
+
+def _show(value: Any) -> str:
+    return repr(value.model_dump(by_alias=True) if isinstance(value, BaseModel) else value)
 
 
 class Metadata(_Model):

@@ -15,13 +15,14 @@ import yaml
 from kubernetes.utils import parse_quantity
 
 from . import commands
-from .api import API_VERSION, GPU_RESOURCE, KIND, PodTemplate, RLHFJob, Trainer
+from .api import API_VERSION, GPU_RESOURCE, KIND, PodTemplate, RLHFJob
 
 LABEL_JOB = "pat.dev/job"
 LABEL_ROLE = "pat.dev/role"
 LABEL_INDEX = "pat.dev/index"
 LABEL_ATTEMPT = "pat.dev/attempt"
 ROLES = ("trainer", "generator")
+WORKER = "worker"  # the role of a colocated job's pods: both roles in one pod
 
 SPEC_FILE = "/etc/pat/job.yaml"
 WORK_DIR = "/var/lib/pat/work"  # the tiny model is built here by the init container
@@ -77,7 +78,14 @@ def pod_host(job: RLHFJob, role: str, index: int) -> str:
 
 def expected_pods(job: RLHFJob) -> list[tuple[str, int]]:
     s = job.spec
+    if s.placement == "colocated":
+        return [(WORKER, i) for i in range(s.generator.replicas)]
     return [("trainer", i) for i in range(s.trainer.replicas)] + [("generator", i) for i in range(s.generator.replicas)]
+
+
+def serves(pod_role: str, role: str) -> bool:
+    """Whether a pod of role label `pod_role` runs `role` (trainer or generator): a colocated pod runs both."""
+    return pod_role in (role, WORKER)
 
 
 def labels(job: RLHFJob) -> dict[str, str]:
@@ -139,9 +147,11 @@ def volcano_podgroup(job: RLHFJob, uid: str) -> Manifest | None:
 
 def pod(job: RLHFJob, uid: str, role: str, index: int, attempt: int) -> Manifest:
     """One pod of the gang. Non-root, read-only root filesystem, no service-account token: a worker needs no
-    Kubernetes API access."""
+    Kubernetes API access. A colocated job's pods (role worker) run both roles, with the generator's pod settings and
+    the trainer's env and volumes added."""
     spec, name = job.spec, pod_name(job, role, index)
     template: PodTemplate = spec.trainer if role == "trainer" else spec.generator
+    extra: list[PodTemplate] = [spec.trainer] if role == WORKER else []
     model_dir = spec.model.path or f"{WORK_DIR}/model"
     run_dir = spec.checkpoint.path
     env = [
@@ -159,29 +169,37 @@ def pod(job: RLHFJob, uid: str, role: str, index: int, attempt: int) -> Manifest
     if spec.model.volume is not None:
         mounts.append({"name": "model", "mountPath": spec.model.mount_path, "readOnly": True})
         volumes.append({"name": "model", **spec.model.volume})
-    if role == "trainer":
-        generators = [f"http://{pod_host(job, 'generator', i)}:{spec.generator.port}"
-                      for i in range(spec.generator.replicas)]
-        args = commands.trainer_args(spec, SPEC_FILE, model_dir, run_dir, generators, "$(POD_IP)", index,
-                                     pod_host(job, "trainer", 0), MASTER_PORT,
-                                     metrics_port=TRAINER_METRICS_PORT if index == 0 else 0, bind="0.0.0.0")
-        if (threads := _threads_per_rank(spec.trainer)) is not None:
+    trainer_metrics = TRAINER_METRICS_PORT if index == 0 else 0
+    generators = [f"http://{pod_host(job, serving, i)}:{spec.generator.port}"
+                  for serving, i in expected_pods(job) if serves(serving, "generator")]
+    ports, probe = [], None
+    if serves(role, "trainer"):
+        if role == WORKER:
+            args = commands.colocated_args(spec, SPEC_FILE, model_dir, run_dir, generators, "$(POD_IP)", index,
+                                           pod_host(job, WORKER, 0), MASTER_PORT, "0.0.0.0",
+                                           metrics_port=trainer_metrics, bind="0.0.0.0")
+        else:
+            args = commands.trainer_args(spec, SPEC_FILE, model_dir, run_dir, generators, "$(POD_IP)", index,
+                                         pod_host(job, "trainer", 0), MASTER_PORT, metrics_port=trainer_metrics,
+                                         bind="0.0.0.0")
+        if (threads := _threads_per_rank(template, spec.trainer.ranks)) is not None:
             env.append({"name": "OMP_NUM_THREADS", "value": str(threads)})
-        ports = [{"name": "metrics", "containerPort": TRAINER_METRICS_PORT}]
-        probe = None
+        ports.append({"name": "metrics", "containerPort": TRAINER_METRICS_PORT})
         mounts.append({"name": "run", "mountPath": run_dir})
         volumes.append({"name": "run", **(spec.checkpoint.volume or {"emptyDir": {}})})
-    else:
-        # All addresses, as on any node: the pod's network namespace holds only its pod IP and its own loopback.
-        args = commands.generator_args(spec, model_dir, "0.0.0.0")
-        ports = [{"name": "http", "containerPort": spec.generator.port}]
+    if serves(role, "generator"):
+        if role != WORKER:
+            # All addresses, as on any node: the pod's network namespace holds only its pod IP and its own loopback.
+            args = commands.generator_args(spec, model_dir, "0.0.0.0")
+        ports.append({"name": "http", "containerPort": spec.generator.port})
         probe = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2, "failureThreshold": 1}
         # The in-pod shared-memory communicators need more than the default 64 MiB /dev/shm.
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
-    env += [e.model_dump(by_alias=True, exclude_none=True) for e in template.env]
-    mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in template.volume_mounts]
-    volumes += template.volumes
+    for t in (template, *extra):
+        env += [e.model_dump(by_alias=True, exclude_none=True) for e in t.env]
+        mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in t.volume_mounts]
+        volumes += [v for v in t.volumes if v["name"] not in {w["name"] for w in volumes}]
     container: dict[str, Any] = {
         "name": role, "image": template.image, "imagePullPolicy": template.image_pull_policy,
         "command": template.command or ["pat"], "env": env, "ports": ports, "volumeMounts": mounts,
@@ -250,11 +268,11 @@ def _resources(template: PodTemplate) -> dict[str, Any]:
     return out
 
 
-def _threads_per_rank(trainer: Trainer) -> int | None:
+def _threads_per_rank(template: PodTemplate, ranks: int) -> int | None:
     """Torch threads per trainer rank: the pod's CPUs shared by its ranks (torchrun would give each rank one
     thread, or all of the node's cores to a single rank). None: the pod asks for no CPUs."""
-    cpus = trainer.resources.requests.get("cpu", trainer.resources.limits.get("cpu"))
-    return None if cpus is None else max(1, int(parse_quantity(cpus) // trainer.ranks))
+    cpus = template.resources.requests.get("cpu", template.resources.limits.get("cpu"))
+    return None if cpus is None else max(1, int(parse_quantity(cpus) // ranks))
 
 
 def _container_security() -> dict[str, Any]:

@@ -75,3 +75,19 @@ def trainer_args(spec: RLHFJobSpec, job_file: str, model_dir: str, run_dir: str,
     if bind:
         rank += ["--bind", bind]
     return ["trainer", *launch, "--", *rank]
+
+
+def colocated_args(spec: RLHFJobSpec, job_file: str, model_dir: str, run_dir: str, generators: list[str], host: str,
+                   pod_index: int, master_addr: str, master_port: int, generator_host: str, metrics_port: int = 0,
+                   token_file: str | None = None, bind: str | None = None) -> list[str]:
+    """One pod of a colocated job (spec.placement: colocated): `pat colocated` runs the pod's generator (generator_args,
+    listening on generator_host) and its trainer ranks (trainer_args, on the same devices) as one unit, built from
+    the same job file."""
+    args = ["colocated", "--job", job_file, "--model", model_dir, "--run-dir", run_dir, "--generators",
+            ",".join(generators), "--host", host, "--generator-host", generator_host, "--pod-index", str(pod_index),
+            "--master-addr", master_addr, "--master-port", str(master_port), "--metrics-port", str(metrics_port)]
+    if token_file:
+        args += ["--token-file", token_file]
+    if bind:
+        args += ["--bind", bind]
+    return args

@@ -154,8 +154,8 @@ async def _autoscale(autoscaler: Autoscaler, key: tuple[str, str], pods_by_job: 
     interval = autoscaler.generator.adaptive_tp.prometheus.query_interval
     while True:
         started = time.monotonic()
-        ready = {p.name: p.ip for p in pods_by_job.get(key, []) if p.role == "generator" and p.ready and p.ip
-                 and not p.deleting}
+        ready = {p.name: p.ip for p in pods_by_job.get(key, []) if builders.serves(p.role, "generator") and p.ready
+                 and p.ip and not p.deleting}
         try:
             await autoscaler.tick(ready)
         except Exception:  # a bug must not stop the job's adaptive TP for good: log it, try again
@@ -267,10 +267,11 @@ class _Observer:
         self.polling = bool(running)
         if self.m.session is None:
             self.m.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
-        generators = [p for p in running if p.role == "generator" and p.ready]
+        generators = [p for p in running if builders.serves(p.role, "generator") and p.ready]
         queues = [self._queues(body["metadata"]["namespace"], [p.name for p in generators])] \
             if generators and self.prometheus_url else []
-        await asyncio.gather(*(self._trainer(p) for p in running if p.role == "trainer" and p.index == 0),
+        trainer = [p for p in running if builders.serves(p.role, "trainer") and p.index == 0]
+        await asyncio.gather(*(self._trainer(p) for p in trainer),
                              *(self._generator(p, spec) for p in generators), *queues)
         return self.iteration, self.generators
 

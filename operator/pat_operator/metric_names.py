@@ -54,7 +54,7 @@ TRAINER_KL = "pat_trainer_kl"
 TRAINER_ENTROPY = "pat_trainer_entropy"
 TRAINER_POLICY_VERSION = "pat_trainer_policy_version"
 
-TRAINER_PHASES = ("generate", "reward", "train", "sync", "checkpoint")
+TRAINER_PHASES = ("generate", "reward", "train", "sync", "checkpoint", "switch")  # switch: colocated sleep + wake
 
 # The operator.
 OPERATOR_RECONCILES = "pat_operator_reconciles"  # counter, label result: ok | error

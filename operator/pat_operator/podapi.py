@@ -6,7 +6,10 @@ JSON field names are snake_case, as in OpenAI-style inference APIs. Every endpoi
   POST /v1/rollouts          RolloutBatch  -> 202 BatchStatus   (a batch is generated with one policy version)
   GET  /v1/rollouts/{batch}  ?wait=seconds -> BatchStatus       (completions once done; long-polls up to wait)
   POST /v1/regroup           RegroupPlan   -> RegroupAck        (applied at the next step boundary)
-  POST /v1/weights           WeightUpdate  -> 202 PodState      (ranks then receive the broadcast)
+  POST /v1/weights           WeightUpdate  -> 202 PodState      (ranks then receive the broadcast, or the hand-over)
+  POST /v1/sleep                           -> PodState          (between batches: the ranks give back their KV
+                                                                  pools and step memory, for the colocated trainer)
+  POST /v1/wake_up                         -> PodState          (the ranks take their memory back)
   GET  /v1/state                           -> PodState
 """
 
@@ -95,10 +98,21 @@ class RegroupAck(_Model):
 
 class WeightUpdate(_Model):
     version: int = Field(ge=1)
-    address: str = Field(description="host:port of the weight-sync store that the trainer's rank 0 hosts")
-    world: int = Field(ge=2, description="trainer rank 0 plus every generator rank of the job")
-    rank_offset: int = Field(ge=1, description="this pod's first rank in the weight-sync group")
+    transport: Literal["group", "device"] = Field("group", description="group: a broadcast from the trainer's rank "
+                                                  "0 over the job's weight-sync group; device: placement colocated, "
+                                                  "each engine rank takes the weights from the trainer rank on its "
+                                                  "own device (weightsync.DeviceSender)")
+    address: str = Field(description="group: host:port of the weight-sync store that the trainer's rank 0 hosts; "
+                                     "device: the name of the trainer ranks' hand-over sockets")
+    world: int | None = Field(None, ge=2, description="group: trainer rank 0 plus every generator rank of the job")
+    rank_offset: int | None = Field(None, ge=1, description="group: this pod's first rank in the weight-sync group")
     backend: Literal["gloo", "nccl"] = "gloo"
+
+    @model_validator(mode="after")
+    def _group_needs_ranks(self) -> WeightUpdate:
+        if self.transport == "group" and (self.world is None or self.rank_offset is None):
+            raise ValueError("transport group needs world and rank_offset")
+        return self
 
 
 class GroupState(_Model):
@@ -122,3 +136,7 @@ class PodState(_Model):
                                   "each engine rank (engine pat), or the pod once (engine vllm)")
     engine: Literal["pat", "vllm"] = "pat"
     dtype: str
+    memory: Literal["held", "released"] = Field("held", description="released after POST /v1/sleep: the ranks hold "
+                                                "their weights only, and take no batch until POST /v1/wake_up")
+    memory_bytes: list[int] = Field([], description="each rank's memory at its last sleep or wake-up: the process's "
+                                    "resident bytes on CPU, torch.cuda.memory_reserved on a GPU")

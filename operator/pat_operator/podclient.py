@@ -69,6 +69,12 @@ class PodClient:
     async def update_weights(self, update: WeightUpdate) -> PodState:
         return await self._call("POST", "/v1/weights", PodState, update)
 
+    async def sleep(self) -> PodState:
+        return await self._call("POST", "/v1/sleep", PodState)
+
+    async def wake_up(self) -> PodState:
+        return await self._call("POST", "/v1/wake_up", PodState)
+
     async def wait_version(self, version: int, timeout: float = 600.0) -> PodState:
         """Polls the pod's state until every rank holds `version`."""
         deadline = asyncio.get_running_loop().time() + timeout

@@ -266,8 +266,9 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
         book.set(RUNNING, "False", "PodFailed", why)
         return book.decision(ensure=ensure, delete_pods=[p.name for p in alive], wake_after=delay)
 
-    trainers = [p for p in current.values() if p.role == "trainer"]
-    if len(trainers) == spec.trainer.replicas and all(p.phase == "Succeeded" for p in trainers):
+    trainers = [p for p in current.values() if builders.serves(p.role, "trainer")]
+    expected_trainers = sum(builders.serves(role, "trainer") for role, _ in expected.values())
+    if len(trainers) == expected_trainers and all(p.phase == "Succeeded" for p in trainers):
         msg = f"the trainer finished {spec.algorithm.iterations} iterations"
         book.fields["iteration"] = spec.algorithm.iterations  # a trainer exits 0 only after the last one
         book.finish(SUCCEEDED, "TrainerSucceeded", msg, Event("Normal", "Succeeded", msg))

@@ -86,7 +86,8 @@ def test_the_example_reports_what_adaptive_tp_did(example_run):
 
 
 def test_killed_processes_resume_exactly(tmp_path):
-    job = write_job(tmp_path, "resume", **{"algorithm.iterations": 8, "checkpoint.everyIterations": 2,
+    job = write_job(tmp_path, "resume", **{"placement": "separate", "algorithm.iterations": 8,
+                                           "checkpoint.everyIterations": 2,
                                            "generator.adaptiveTP.enabled": False, "trainer.ranksPerPod": 2})
     reference = tmp_path / "reference"
     assert pat("run", str(job), "--run-dir", str(reference), "--no-progress").returncode == 0
@@ -138,7 +139,8 @@ def test_adaptive_tp_on_and_off_greedy_give_identical_tokens(tmp_path):
     # are covered by tests/engine and tests/generator).
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"decode": {"1": {"1": 0.1, "64": 0.3}, "2": {"1": 0.002, "64": 0.006}}}))
-    job = write_job(tmp_path, "greedy", **{"algorithm.iterations": 2, "algorithm.temperature": 0,
+    job = write_job(tmp_path, "greedy", **{"placement": "separate", "algorithm.iterations": 2,
+                                           "algorithm.temperature": 0,
                                            "algorithm.promptsPerIteration": 8,
                                            "generator.adaptiveTP.profile": str(profile),
                                            "trainer.replicas": 2})  # 2 trainer pods: 2 launchers, one rendezvous

@@ -94,11 +94,13 @@ def condition(job: dict, kind: str) -> dict:
 
 
 def job_doc(name: str, trainer_command: list[str] | None = None, generator_command: list[str] | None = None,
-            **run_policy: Any) -> dict[str, Any]:
-    """The example job, with trivial commands when given (the gang logic does not need real workers)."""
+            placement: str = "separate", **run_policy: Any) -> dict[str, Any]:
+    """The example job, with trivial commands when given (the gang logic does not need real workers); separate
+    trainer and generator pods unless `placement` says colocated."""
     doc = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
     doc["metadata"] = {"name": name}
     spec = doc["spec"]
+    spec["placement"] = placement
     spec["runPolicy"].update(run_policy)
     if trainer_command:
         spec["trainer"]["command"] = trainer_command

@@ -10,8 +10,10 @@ from pat_operator.api import JobSpecError, load_job, parse_job
 EXAMPLE = Path(__file__).parents[2] / "examples" / "local.yaml"
 
 
-def example() -> dict:
-    return yaml.safe_load(EXAMPLE.read_text())
+def example(placement: str = "separate") -> dict:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["placement"] = placement
+    return doc
 
 
 def test_example_is_valid_and_camel_case_round_trips():

@@ -14,6 +14,7 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "local.yaml"
 
 def job(**spec_edits):
     doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["placement"] = "separate"  # trainer and generator pods; colocated_* tests set colocated
     doc["metadata"]["namespace"] = "team"
     for key, value in spec_edits.items():
         doc["spec"][key] = {**doc["spec"].get(key, {}), **value}
@@ -188,6 +189,7 @@ def test_every_generated_hostname_and_label_value_is_valid_for_the_longest_job_n
     name = "a" * 40 + "-" + "b" * 22  # 63 characters: the longest valid job name
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = name
+    doc["spec"]["placement"] = "separate"  # its longest pod name: <job>-generator-1
     doc["spec"]["generator"]["replicas"] = 2
     doc["spec"]["scheduling"] = {"queueName": "team-a"}
     j = parse_job(doc).model_copy(update={"metadata": parse_job(doc).metadata.model_copy(update={"namespace": "ns"})})

@@ -473,6 +473,7 @@ def test_a_command_that_is_no_console_script_is_reported(tmp_path):
 def test_a_custom_pod_command_is_seen(tmp_path):
     doc = yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())
     doc["spec"]["generator"]["command"] = ["pat-generator", "--debug"]
+    doc["spec"]["placement"] = "separate"  # each role its own image
     doc["spec"]["trainer"]["image"] = "ghcr.io/pat-rlhf/pat-trainer:0.1.0"
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
     pods = pod_commands(tmp_path / "job.yaml")

@@ -24,8 +24,11 @@ def test_every_example_prints_its_objects(example, capsys):
     kinds = [o["kind"] for o in objects]
     assert kinds[:3] == ["ConfigMap", "Secret", "Service"]
     pods = [o["metadata"]["name"] for o in objects if o["kind"] == "Pod"]
-    assert pods == [f"{name}-trainer-{i}" for i in range(spec["trainer"].get("replicas", 1))] + \
-        [f"{name}-generator-{i}" for i in range(spec["generator"].get("replicas", 1))]
+    if spec.get("placement", "colocated") == "colocated":  # one gang of pods, both roles in each
+        assert pods == [f"{name}-worker-{i}" for i in range(spec["generator"].get("replicas", 1))]
+    else:
+        assert pods == [f"{name}-trainer-{i}" for i in range(spec["trainer"].get("replicas", 1))] + \
+            [f"{name}-generator-{i}" for i in range(spec["generator"].get("replicas", 1))]
     assert all(o["metadata"]["namespace"] == "team-a" for o in objects)
     assert all(o["metadata"]["ownerReferences"][0]["name"] == name for o in objects)
 
@@ -55,4 +58,6 @@ def test_a_refusal_outside_what_the_user_wrote_names_the_object_and_its_path():
     pod = next(o for o in objects(job) if o["kind"] == "Pod")
     assert spec_field(job, pod, ["spec", "containers", 0, "bogus"]) == \
         f"Pod {pod['metadata']['name']}: spec.containers[0].bogus"
-    assert spec_field(job, pod, ["spec", "affinity", "podAffinity"]) == "spec.trainer.affinity.podAffinity"
+    role = pod["metadata"]["labels"]["pat.dev/role"]
+    assert spec_field(job, pod, ["spec", "affinity", "podAffinity"]) == \
+        f"spec.{'generator' if role == 'worker' else role}.affinity.podAffinity"  # a colocated pod: generator's

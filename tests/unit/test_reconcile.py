@@ -16,6 +16,7 @@ SETTINGS = Settings(restart_backoff_seconds=10, restart_backoff_max_seconds=60)
 
 def body(**run_policy) -> dict:
     doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["placement"] = "separate"  # trainer and generator pods (colocated: test_colocated_*)
     doc["metadata"].update(namespace="ns", uid="uid-1", generation=1)
     doc["spec"]["generator"]["replicas"] = 2
     doc["spec"]["runPolicy"].update(run_policy)

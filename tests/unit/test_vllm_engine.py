@@ -182,6 +182,7 @@ def test_engine_pat_keeps_its_command_line_and_the_pods_run_the_right_one():
 
 def llama_vllm(tp: int = 1, dtype: str = "bfloat16", **settings):
     doc = yaml.safe_load((ROOT / "examples" / "llama-3.1-8b.yaml").read_text())
+    doc["spec"]["placement"] = "separate"  # the generator pods' own GPUs
     doc["spec"]["model"]["dtype"] = dtype
     doc["spec"]["generator"].update(engine="vllm", adaptiveTP={})
     doc["spec"]["generator"]["vllm"] = {"tensorParallelSize": tp, **settings}

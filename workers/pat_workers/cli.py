@@ -8,6 +8,7 @@
   pat simulate JOB.yaml | --preset NAME           adaptive TP vs fixed layouts under a GPU cost model (simulated)
   pat generator ...                               one generator pod (coordinator + engine ranks)
   pat trainer ... -- ...                          one trainer pod (its ranks through torch.distributed.run)
+  pat colocated ...                               one pod of a colocated job: its generator and trainer ranks
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"run": _run, "validate": _validate, "plan": _plan, "manifests": _manifests, "prepare": _prepare,
                 "simulate": _simulate}
-    if not argv or argv[0] not in (*commands, "generator", "trainer"):
+    if not argv or argv[0] not in (*commands, "generator", "trainer", "colocated"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
@@ -162,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         if command == "trainer":
             from .trainer.launch import main as trainer
             return trainer(rest) or 0
+        if command == "colocated":
+            from .colocated import main as colocated
+            return colocated(rest)
         return commands[command](rest)
     except JobSpecError as e:
         print(e, file=sys.stderr)

@@ -1,9 +1,10 @@
 """`pat run JOB.yaml`: an RLHFJob as local processes -- the gang the operator runs as pods, on one machine.
 
 Prepares the run folder (validated job, tiny model with its tokenizer, job token), starts the generator pods and
-then the trainer pods (each `pat trainer`: torch.distributed.run and the pod's ranks), and supervises them as one
-gang: when any process fails, every process is stopped and the gang starts again (at most
-spec.runPolicy.backoffLimit times); the trainer resumes from its last checkpoint.
+then the trainer pods (each `pat trainer`: torch.distributed.run and the pod's ranks), or for placement colocated
+the job's pods (each `pat colocated`: its generator and trainer ranks), and supervises them as one gang: when any
+process fails, every process is stopped and the gang starts again (at most spec.runPolicy.backoffLimit times); the
+trainer resumes from its last checkpoint.
 While it runs it polls the pods' state (the layout timeline) and shows progress; at the end it writes the
 summary and plots (report.py).
 
@@ -35,7 +36,7 @@ import yaml
 from tqdm import tqdm
 
 from pat_operator.api import ModelSource, RLHFJob, RLHFJobSpec
-from pat_operator.commands import generator_args, trainer_args
+from pat_operator.commands import colocated_args, generator_args, trainer_args
 from pat_operator.fit import read_shape
 from pat_operator.podclient import PodClient
 
@@ -100,6 +101,7 @@ class Gang:
     attempt: int
     pods: list[str]
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    driver: str = "trainer-0"  # the process whose exit 0 ends the job: the one that holds trainer rank 0
 
     def failed(self) -> str | None:
         for name, p in self.procs.items():
@@ -138,28 +140,38 @@ class LocalRun:
                                             start_new_session=True)
         (self.run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in gang.procs.items()}))
 
-    def _start_pods(self, attempt: int) -> Gang:
+    def _start(self, attempt: int) -> Gang:
+        """The gang's processes: generator pods, then trainer pods (they load while the pods start, then wait until
+        the pods are ready); or the colocated pods. Every generator listens on a port of its own, as pods on
+        separate addresses would."""
         ports = [free_port() for _ in range(self.spec.generator.replicas)]
         gang = Gang(attempt, [f"http://127.0.0.1:{p}" for p in ports])
-        token = str(self.run_dir / "token")
+        token, job_file, master = str(self.run_dir / "token"), str(self.run_dir / "job.yaml"), free_port()
+        env = {"PAT_ATTEMPT": str(attempt)}
+        spec_at = lambda port: self.spec.model_copy(  # noqa: E731
+            update={"generator": self.spec.generator.model_copy(update={"port": port})})
+        if self.spec.placement == "colocated":
+            gang.driver = "pod-0"
+            for i, port in enumerate(ports):  # the job file a pod reads carries its port
+                pod_job = self.run_dir / f"job.pod{i}.yaml"
+                pod_job.write_text(yaml.safe_dump(self.job.model_copy(update={"spec": spec_at(port)}).model_dump(
+                    by_alias=True, exclude_none=True), sort_keys=False))
+                self._spawn(gang, f"pod-{i}", colocated_args(
+                    spec_at(port), str(pod_job), str(self.model), str(self.run_dir), gang.pods, "127.0.0.1", i,
+                    "127.0.0.1", master, "127.0.0.1", token_file=token), env)
+            return gang
         for i, port in enumerate(ports):
-            spec = self.spec.model_copy(update={"generator": self.spec.generator.model_copy(update={"port": port})})
-            self._spawn(gang, f"generator-{i}", generator_args(spec, str(self.model), "127.0.0.1", token),
-                        {"PAT_ATTEMPT": str(attempt)})
-        return gang
-
-    def _start_trainers(self, gang: Gang) -> None:
-        master = free_port()
+            self._spawn(gang, f"generator-{i}", generator_args(spec_at(port), str(self.model), "127.0.0.1", token),
+                        env)
         for i in range(self.spec.trainer.replicas):
             self._spawn(gang, f"trainer-{i}", trainer_args(
-                self.spec, str(self.run_dir / "job.yaml"), str(self.model), str(self.run_dir), gang.pods,
-                "127.0.0.1", i, "127.0.0.1", master, token_file=str(self.run_dir / "token")),
-                {"PAT_ATTEMPT": str(gang.attempt)})
+                self.spec, job_file, str(self.model), str(self.run_dir), gang.pods, "127.0.0.1", i, "127.0.0.1",
+                master, token_file=token), env)
+        return gang
 
     async def _attempt(self, attempt: int, bar: tqdm | None) -> str | None:
         """Runs one gang until the trainer finishes (None) or a process fails (the reason)."""
-        gang = self._start_pods(attempt)
-        self._start_trainers(gang)  # they load while the pods start, then wait until the pods are ready
+        gang = self._start(attempt)
         try:
             async with aiohttp.ClientSession() as session:
                 clients = [PodClient(url, self.token, session) for url in gang.pods]
@@ -167,7 +179,7 @@ class LocalRun:
                     while True:
                         if (why := gang.failed()) is not None:
                             return why
-                        if gang.procs["trainer-0"].poll() == 0:
+                        if gang.procs[gang.driver].poll() == 0:
                             return None
                         states = await asyncio.gather(*(c.state() for c in clients), return_exceptions=True)
                         now = time.time()

@@ -59,6 +59,7 @@ def spec_field(job: RLHFJob, obj: dict[str, Any], path: list[str | int]) -> str:
 
     if obj["kind"] == "Pod" and path[:1] == ["spec"]:
         role = obj["metadata"]["labels"][builders.LABEL_ROLE]
+        role = "generator" if role == builders.WORKER else role  # a colocated pod has the generator's settings
         template = getattr(job.spec, role)
         if path[1:2] == ["affinity"]:
             return f"spec.{role}.affinity{at(path[2:])}"

@@ -1,6 +1,8 @@
 """`pat plan JOB.yaml`: will the job fit? The memory of one trainer rank and one generator engine rank, term by term
 (pat_operator.fit's estimate), against the GPUs the pods select, and how many sequences of maxSeq an engine rank's
-KV cache holds there; exits 2 naming the field to change when a role does not fit. Torch-free, like the estimate.
+KV cache holds there; exits 2 naming the field to change when a role does not fit. Colocated, one GPU's both ranks
+through both phases (resident, generating, training), and whether the job would fit separate; separate, whether it
+would fit colocated on the same GPUs. Torch-free, like the estimate.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from pathlib import Path
 
 from pat_operator.api import RLHFJob, RLHFJobSpec, load_job
 from pat_operator.fit import (BLOCK_SIZE, GPU, GPU_PRODUCT_LABEL, GPUS, HEADROOM, ROLES, SHAPES, FitError, ModelShape,
-                              allowance, gib, kv_blocks, need, problems, read_shape, role_gpus, sequence_blocks,
-                              tiny_shape)
+                              Budget, allowance, budgets, colocated_equivalent, colocated_memory, fits, gib, kv_blocks,
+                              problems, read_shape, role_gpus, sequence_blocks, tiny_shape, utilization)
 
 LABEL_WIDTH = 46
+COLOCATED_WIDTH = 52  # its engine terms' labels are longer
 
 
 def spec_shape(spec: RLHFJobSpec) -> ModelShape | None:
@@ -63,8 +66,10 @@ def _shape(spec: RLHFJobSpec, config: Path | None, name: str | None) -> ModelSha
 
 
 def table(job: RLHFJob, shape: ModelShape, gpus: dict[str, GPU | None]) -> str:
-    """Each role's terms and total per rank, and the verdict against its GPU."""
+    """Each role's terms and total per rank, and the verdict against its GPU (colocated: _colocated_table)."""
     spec = job.spec
+    if spec.placement == "colocated":
+        return _colocated_table(job, shape, gpus)
     t, g = spec.trainer, spec.generator
     lines = [f"{job.metadata.name}: {shape.name}, {shape.params:,} parameters"]
     headers = {"trainer": f"trainer: {_count(t.replicas, 'pod')} x {_count(t.ranks, 'rank')}, FSDP2 over "
@@ -74,14 +79,86 @@ def table(job: RLHFJob, shape: ModelShape, gpus: dict[str, GPU | None]) -> str:
         device = gpus.get(role)
         m = memory(spec, shape, device and device.memory_bytes)
         lines += [headers[role], f"  per rank, on {_device(spec, role, gpus)}:"]
-        lines += [f"  {label:<{LABEL_WIDTH}}{gib(b):>10}" for label, b in m.terms]
-        lines += [f"  {label + ' (host)':<{LABEL_WIDTH}}{gib(b):>10}" for label, b in m.host]
-        fits = device is not None and need(spec, shape, role) <= allowance(spec, role, device.memory_bytes)
-        verdict = "" if device is None else "  fits" if fits else "  DOES NOT FIT"
+        lines += _terms(m.terms) + _terms(m.host, " (host)")
+        ok = device is not None and fits(spec, shape, role, device.memory_bytes)
+        verdict = "" if device is None else "  fits" if ok else "  DOES NOT FIT"
         lines.append(f"  {'total':<{LABEL_WIDTH}}{gib(m.total):>10}{verdict}")
-        if role == "generator" and fits:
+        if role == "generator" and ok:
             lines.append(f"  {_concurrent(spec, shape, device)}")
+    if (colocated := _colocated_instead(spec, shape, gpus)) is not None:
+        lines.append(colocated)
     return "\n".join(lines)
+
+
+def _terms(terms: tuple[tuple[str, float], ...], suffix: str = "", indent: str = "  ",
+           width: int = LABEL_WIDTH) -> list[str]:
+    return [f"{indent}{label + suffix:<{width + 2 - len(indent)}}{gib(b):>10}" for label, b in terms]
+
+
+def _colocated_table(job: RLHFJob, shape: ModelShape, gpus: dict[str, GPU | None]) -> str:
+    """One GPU of a colocated pod: what stays resident, what each phase adds, each phase's total against its limit,
+    and which placement fits."""
+    spec, g = job.spec, job.spec.generator
+    device = gpus.get("colocated")
+    memory = device and device.memory_bytes
+    phases = colocated_memory(spec, shape, memory)
+    unit = "GPU" if g.gpus_per_pod else "rank"
+    limits = {b.name: b for b in budgets(spec, shape, "colocated", memory)} if memory else {}
+    lines = [f"{job.metadata.name}: {shape.name}, {shape.params:,} parameters",
+             f"colocated: {_count(g.replicas, 'pod')} x {_count(g.ranks, unit)}, each {unit} a trainer rank (FSDP2 "
+             f"over {spec.trainer.world_size}, micro-batches of {spec.algorithm.max_tokens_per_micro_batch} tokens) "
+             f"and an engine rank",
+             f"  per {unit}, on {_device(spec, 'colocated', gpus)}:",
+             "  resident (both phases):", *_terms(phases.resident, indent="    ", width=COLOCATED_WIDTH),
+             *_terms(phases.host, " (host)", indent="    ", width=COLOCATED_WIDTH),
+             "  generating, beside it:", *_terms(phases.generate, indent="    ", width=COLOCATED_WIDTH),
+             "  training, beside it (the KV cache released):",
+             *_terms(phases.train, indent="    ", width=COLOCATED_WIDTH),
+             f"  {'resident':<{COLOCATED_WIDTH}}{gib(phases.resident_bytes):>10}"]
+    for name, total in (("generate", phases.generate_bytes), ("train", phases.train_bytes)):
+        limit = limits.get(name)
+        verdict = "" if limit is None else f" of {gib(limit.allowed)}  {'fits' if limit.fits else 'DOES NOT FIT'}"
+        lines.append(f"  {name + ': resident + its working set':<{COLOCATED_WIDTH}}{gib(total):>10}{verdict}")
+    if memory is None:
+        return "\n".join(lines)
+    if limits["generate"].fits:
+        lines.append(f"  {_concurrent(spec, shape, device)}")
+    lines.append(_placements(spec, shape, device, [b for b in limits.values() if not b.fits]))
+    return "\n".join(lines)
+
+
+def _placements(spec: RLHFJobSpec, shape: ModelShape, device: GPU, over: list) -> str:
+    """Colocated's verdict, and when it does not fit whether the same job would separate: the trainer on its own
+    pods of the same GPUs (FSDP2 over as many), the engines on theirs."""
+    if not over:
+        return "colocated fits"
+    separate = spec.model_copy(update={"placement": "separate"})
+    roles = [budgets(separate, shape, role, device.memory_bytes)[0] for role in ("trainer", "generator")]
+    would = "would" if all(b.fits for b in roles) else "would not either"
+    return (f"colocated does not fit: {_limits(over)}; separate (the trainer on {spec.trainer.world_size} GPUs of its "
+            f"own) {would}: {_limits(roles)}")
+
+
+def _limits(limits: list[Budget]) -> str:
+    return ", ".join(f"{b.name} {gib(b.need)} of {gib(b.allowed)}" for b in limits)
+
+
+def _colocated_instead(spec: RLHFJobSpec, shape: ModelShape, gpus: dict[str, GPU | None]) -> str | None:
+    """Whether a separate job would fit colocated on its GPUs (fit.colocated_equivalent), and how many sequences an
+    engine rank's KV cache would hold there; None where that is not known: CPU pods, different or unknown GPUs,
+    GPUs that do not make whole pods."""
+    device = gpus.get("generator")
+    colocated = colocated_equivalent(spec)
+    if device is None or gpus.get("trainer") != device or colocated is None:
+        return None
+    limits = budgets(colocated, shape, "colocated", device.memory_bytes)
+    g = colocated.generator
+    where = f"colocated on the same {g.replicas * g.gpus_per_pod} GPUs ({_count(g.replicas, 'pod')} x {g.gpus_per_pod})"
+    if not all(b.fits for b in limits):
+        return f"{where} would not fit: {_limits([b for b in limits if not b.fits])}"
+    held = kv_blocks(colocated, shape, device.memory_bytes)[0] // sequence_blocks(colocated)
+    return (f"{where} would fit: {held} sequences of maxSeq per GPU's KV cache while generating, "
+            f"{_limits(limits[1:])} while training")
 
 
 def _concurrent(spec: RLHFJobSpec, shape: ModelShape, device: GPU) -> str:
@@ -105,6 +182,10 @@ def _device(spec: RLHFJobSpec, role: str, gpus: dict[str, GPU | None]) -> str:
     g = gpus[role]
     if g is None:
         return f"a GPU not known here (pass --gpu, or set the pods' nodeSelector {GPU_PRODUCT_LABEL})"
+    if role == "colocated":
+        return (f"an {g.name}: {gib(allowance(spec, 'trainer', g.memory_bytes))} usable of {gib(g.memory_bytes)} "
+                f"({HEADROOM:.0%} kept free; generating: {gib(utilization(spec) * g.memory_bytes)}, "
+                f"memoryUtilization={utilization(spec)})")
     kept = (f"memoryUtilization={spec.generator.memory_utilization}" if role == "generator"
             else f"{HEADROOM:.0%} kept free")
     return f"an {g.name}: {gib(allowance(spec, role, g.memory_bytes))} usable of {gib(g.memory_bytes)} ({kept})"

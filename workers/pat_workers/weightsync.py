@@ -17,21 +17,34 @@ One round (one `send`, one `receive` on every generator rank):
      trainer gathers them one at a time from its FSDP shards) and holds at most one bucket.
 A failure inside step 4 (a peer died mid-transfer) leaves the receivers' weights half-updated: it is raised as
 is, and the pod must restart.
+
+Placement colocated hands the weights over inside the pod instead, through the device (DeviceSender / DeviceReceiver):
+each trainer rank passes the full tensors it gathers anyway to the engine rank on its own device, through one
+staging buffer shared once per round (CUDA IPC on GPUs, shared memory on CPU: torch.multiprocessing's tensor
+sharing), over an abstract Unix socket of the pod's network namespace. No weight-sync group, no network, and no
+second replica: the staging buffer holds one bucket. The same manifest check and refusal vote come first.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from multiprocessing.connection import Client, Connection, Listener
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 
 STORE_PREFIX = "pat-weights/"
 BACKENDS = ("gloo", "nccl")
 BUCKET_BYTES = 256 << 20
+# The in-pod hand-over's staging buffer, held only during a round: a small part of any model (the 45 MB demo model
+# goes in 2 buckets), and a bucket costs one round trip over a Unix socket (tens of microseconds).
+HANDOVER_BUCKET_BYTES = 32 << 20
 
 
 class WeightSyncError(RuntimeError):
@@ -179,7 +192,7 @@ class WeightReceiver(_Member):
         dtypes = {str(t.dtype).removeprefix("torch.") for t in weights.values()}
         self.store.set(f"{prefix}dtype/{self.rank}", dtypes.pop() if len(dtypes) == 1 else "mixed")
         manifest = json.loads(self.store.get(f"{prefix}manifest"))
-        problem = self._check(manifest, weights, version, shapes or {})
+        problem = check_manifest(manifest, weights, version, shapes or {})
         if problem:
             self.store.set(f"{prefix}refused/{self.rank}", f"rank {self.rank}: {problem}")
         if self._refusals(problem is not None):
@@ -197,20 +210,135 @@ class WeightReceiver(_Member):
                 for name, part in zip(names, flat.split([weights[n].numel() for n in names])):
                     weights[name].copy_(part.view_as(weights[name]))
 
-    @staticmethod
-    def _check(manifest: dict, weights: dict[str, torch.Tensor], version: int,
-               shapes: Mapping[str, Sequence[int]]) -> str | None:
-        if manifest["version"] != version:
-            return (f"the trainer sent version {manifest['version']}, this pod expects version {version} "
-                    f"(POST /v1/weights announces the version the next send carries)")
-        sent = {name: tuple(shape) for name, shape in manifest["tensors"]}
-        held = {name: tuple(shapes.get(name, t.shape)) for name, t in weights.items()}
-        if sent.keys() != held.keys():
-            return (f"the trainer's tensors differ from this replica's: missing {sorted(held.keys() - sent.keys())}, "
-                    f"unexpected {sorted(sent.keys() - held.keys())}; both must be the same model")
-        wrong = [f"{n} {sent[n]} vs {held[n]}" for n in sorted(sent) if sent[n] != held[n]]
-        if wrong:
-            return f"tensor shapes differ (sent vs held): {', '.join(wrong[:5])}"
-        if any(str(t.dtype).removeprefix("torch.") != manifest["dtype"] for t in weights.values()):
-            return f"the trainer sends {manifest['dtype']}, this replica holds other dtypes"
-        return None
+
+def check_manifest(manifest: dict, weights: dict[str, torch.Tensor], version: int,
+                          shapes: Mapping[str, Sequence[int]]) -> str | None:
+    """Why a receiver refuses the round's manifest (another version, model or dtype), or None."""
+    if manifest["version"] != version:
+        return (f"the trainer sent version {manifest['version']}, this pod expects version {version} "
+                f"(POST /v1/weights announces the version the next send carries)")
+    sent = {name: tuple(shape) for name, shape in manifest["tensors"]}
+    held = {name: tuple(shapes.get(name, t.shape)) for name, t in weights.items()}
+    if sent.keys() != held.keys():
+        return (f"the trainer's tensors differ from this replica's: missing {sorted(held.keys() - sent.keys())}, "
+                f"unexpected {sorted(sent.keys() - held.keys())}; both must be the same model")
+    wrong = [f"{n} {sent[n]} vs {held[n]}" for n in sorted(sent) if sent[n] != held[n]]
+    if wrong:
+        return f"tensor shapes differ (sent vs held): {', '.join(wrong[:5])}"
+    if any(str(t.dtype).removeprefix("torch.") != manifest["dtype"] for t in weights.values()):
+        return f"the trainer sends {manifest['dtype']}, this replica holds other dtypes"
+    return None
+
+
+def handover_address(token: str) -> str:
+    """The name of a job's in-pod hand-over sockets (one per device: `-<local rank>` is added), from its token:
+    distinct per job where several share a network namespace (`pat run --baseline`)."""
+    return "pat-weights-" + hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def _socket(address: str, rank: int) -> str:
+    return f"\0{address}-{rank}"  # Linux's abstract namespace: no file to clean up, private to the network namespace
+
+
+class DeviceSender:
+    """A trainer rank's end of the in-pod hand-over (placement colocated): it listens for the engine rank of its
+    device (`local_rank`), which connects with the job's token when its pod is told to receive."""
+
+    def __init__(self, address: str, local_rank: int, token: str):
+        # A CPU tensor is then shared by the name of its shared-memory file, which an unrelated process (the engine
+        # rank) can open; the default passes a file descriptor, which only a child process could receive.
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        self.address = address
+        self.listener = Listener(_socket(address, local_rank), "AF_UNIX", authkey=token.encode())
+        self.conn: Connection | None = None
+
+    def send(self, shapes: Mapping[str, Sequence[int]], tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+             agree: Callable[[bool], int], bucket_bytes: int = HANDOVER_BUCKET_BYTES) -> None:
+        """Hands the full replica to the engine rank, bucket by bucket through a staging buffer of one bucket, shared
+        for the round and freed after it. `agree(refused)` counts the refusals of every trainer rank's receiver (an
+        all-reduce over the trainer's group): when any refuses, every rank stops before a byte moves
+        (WeightSyncError)."""
+        if self.conn is None:
+            self.conn = self.listener.accept()
+        dtype_name = self.conn.recv()
+        manifest = {"version": version, "dtype": dtype_name, "bucket_bytes": bucket_bytes,
+                    "tensors": [[name, list(shapes[name])] for name in sorted(shapes)]}
+        self.conn.send(manifest)
+        problem = self.conn.recv()
+        refusals = agree(problem is not None)
+        self.conn.send(not refusals)
+        if refusals:
+            raise WeightSyncError(f"weight version {version} refused: {problem or 'by another rank'}")
+        dtype = getattr(torch, dtype_name)
+        groups = buckets(manifest["tensors"], dtype.itemsize, bucket_bytes)
+        size = max(sum(math.prod(manifest["tensors"][i][1]) for i in b) for b in groups)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        staging = torch.empty(size, dtype=dtype, device=device)
+        if device is None:
+            staging.share_memory_()
+        self.conn.send(staging)  # a CUDA IPC handle, or the shared-memory file's name
+        stream = iter(tensors)
+        with torch.no_grad():
+            for bucket in groups:
+                offset = 0
+                for i in bucket:
+                    name, tensor = next(stream)
+                    if name != manifest["tensors"][i][0]:
+                        raise ValueError(f"weight {name} sent where {manifest['tensors'][i][0]} was announced: "
+                                         f"tensors must come in sorted-name order")
+                    n = tensor.numel()
+                    staging[offset:offset + n].copy_(tensor.detach().reshape(-1))
+                    offset += n
+                if device is not None:
+                    torch.cuda.current_stream().synchronize()  # written before the receiver reads
+                self.conn.send(len(bucket))
+                self.conn.recv()  # copied out: the buffer may be written again (the last ack: and freed)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
+
+
+class DeviceReceiver:
+    """An engine rank's end of the in-pod hand-over: connects to the trainer rank of its device (engine rank r of a
+    pod to the trainer's local rank r), retrying until it listens."""
+
+    def __init__(self, address: str, rank: int, token: str, timeout: float = 300.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.conn = Client(_socket(address, rank), "AF_UNIX", authkey=token.encode())
+                break
+            except (ConnectionRefusedError, FileNotFoundError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no trainer rank listens at {address}-{rank} after {timeout:.0f} s: in "
+                                       f"placement colocated trainer local rank r shares engine rank r's device")
+                time.sleep(0.05)
+
+    def receive(self, weights: dict[str, torch.Tensor], version: int,
+                shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+        """As WeightReceiver.receive: every tensor of `weights` overwritten in place, or WeightSyncError with the
+        weights unchanged when a receiver refused."""
+        dtypes = {str(t.dtype).removeprefix("torch.") for t in weights.values()}
+        self.conn.send(dtypes.pop() if len(dtypes) == 1 else "mixed")
+        manifest = self.conn.recv()
+        problem = check_manifest(manifest, weights, version, shapes or {})
+        self.conn.send(problem)
+        if not self.conn.recv():
+            raise WeightSyncError(problem or f"weight version {manifest['version']} refused by another rank")
+        staging = self.conn.recv()
+        entries = manifest["tensors"]
+        device = next(iter(weights.values())).device
+        with torch.no_grad():
+            for bucket in buckets(entries, staging.element_size(), manifest["bucket_bytes"]):
+                self.conn.recv()
+                offset = 0
+                for i in bucket:
+                    held = weights[entries[i][0]]
+                    held.copy_(staging[offset:offset + held.numel()].view_as(held))
+                    offset += held.numel()
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
+                self.conn.send(True)
+        del staging  # the round's buffer: the sender frees it too (torch counts both processes' references)

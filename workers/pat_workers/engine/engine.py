@@ -154,9 +154,10 @@ class Engine:
         return 1 - self.kv.free_blocks / (self.kv.num_blocks - 1)
 
     def release_memory(self) -> None:
-        """Gives back the device memory the engine holds beside the weights, between batches: the KV pool, and the
-        captured graphs with their memory pool (they read the pool's address, so they are captured again after
-        `acquire_memory`). On GPUs the caching allocator returns the freed blocks to the device."""
+        """Gives back the memory the engine holds beside the weights, between batches: the KV pool, the captured
+        graphs with their memory pool (they read the pool's address, so they are captured again after
+        `acquire_memory`), and on CPU the prepacked copies of the weights. On GPUs the caching allocator returns the
+        freed blocks to the device."""
         if self.has_work():
             raise RuntimeError(f"{len(self.running) + len(self.waiting)} request(s) are in the engine: release its "
                                f"memory between batches")
@@ -164,12 +165,15 @@ class Engine:
         self._batch = None
         self._graphs.clear()
         self._graph_pool = None
+        self.model.drop_packed()
+        self.shard = self.model.shard(self.tp, self.group.index(self.rank))  # views only until acquire_memory
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def acquire_memory(self) -> None:
-        """Takes the KV pool back before the next batch (every block free)."""
+        """Takes the KV pool back before the next batch (every block free), and packs the shard's weights again."""
         self.kv.acquire_memory()
+        self.join(self.group)
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks a request of `tokens` cached tokens holds on this rank."""

@@ -107,6 +107,8 @@ class LocalGenerator:
         self.weights_pending: int | None = None  # the version the ranks are receiving
         self.weights_refused: str | None = None  # why the last update was refused (the ranks kept their weights)
         self._weight_reports: dict[int, str | None] = {}
+        self.memory_held = True  # the ranks' KV pools and step memory (see set_memory)
+        self.memory_bytes: dict[int, int] = {}  # rank -> its memory at its last set_memory
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self, timeout: float = 600.0) -> LocalGenerator:
@@ -238,16 +240,40 @@ class LocalGenerator:
         return out
 
     # -- weights -----------------------------------------------------------------------------------------
-    def update_weights(self, version: int, address: str, world: int, rank_offset: int, backend: str = "gloo") -> None:
-        """Sends every rank into the weight broadcast of `version` (see weightsync) and returns; `poll` sets
-        `policy_version` once every live rank holds the new weights (or `weights_refused` if a rank refused)."""
+    def update_weights(self, version: int, address: str, world: int | None = None, rank_offset: int | None = None,
+                       backend: str = "gloo", transport: str = "group", token: str = "") -> None:
+        """Sends every rank into the weight broadcast of `version` (see weightsync), or with transport device into
+        the hand-over from the trainer rank on its device (authenticated by the job's `token`), and returns; `poll`
+        sets `policy_version` once every live rank holds the new weights (or `weights_refused` if a rank refused)."""
         if self._where:
             raise ValueError(f"{len(self._where)} request(s) are generating; update the weights between batches")
         if self.weights_pending is not None:
             raise ValueError(f"the ranks are still receiving version {self.weights_pending}")
         self.weights_pending, self.weights_refused, self._weight_reports = version, None, {}
+        command = (("weights", version, address, world, rank_offset, backend) if transport == "group" else
+                   ("weights_device", version, address, token))
         for g in self._live_groups():
-            self._commands[g[0]].put(("weights", version, address, world, rank_offset, backend))
+            self._commands[g[0]].put(command)
+
+    # -- memory ------------------------------------------------------------------------------------------
+    def set_memory(self, held: bool, timeout: float = 300.0) -> dict[int, int]:
+        """Between batches: every rank gives back (held False) or takes again (True) its KV pool and step memory
+        (Engine.release_memory / acquire_memory), so that the trainer ranks on the same devices can use it; returns
+        each rank's memory afterwards (memory_bytes)."""
+        if self._where:
+            raise ValueError(f"{len(self._where)} request(s) are generating; release memory between batches")
+        for g in self._live_groups():
+            self._commands[g[0]].put(("memory", held))
+        reported: dict[int, int] = {}
+        deadline = time.monotonic() + timeout
+        while set(range(self.world)) - self._dead_now() - set(reported):
+            event = self._next_event(deadline - time.monotonic())
+            if event[0] == "memory":
+                reported[event[1]] = event[2]
+            else:
+                self._handle(event)
+        self.memory_held, self.memory_bytes = held, reported
+        return reported
 
     # -- layouts -----------------------------------------------------------------------------------------
     def regroup(self, target: Iterable[int], migration: str | None = None, timeout: float = 300.0,

@@ -315,6 +315,10 @@ class Transformer:
         for tp, index in stale:
             self.shard(tp, index, prepack=True)
 
+    def drop_packed(self) -> None:
+        """Gives back every prepacked shard (an engine that releases its memory); shard() packs again."""
+        self._packed = {}
+
     def check_tp(self, tp: int) -> None:
         cfg = self.cfg
         for name, n in (("num_key_value_heads", cfg.num_kv_heads), ("intermediate_size", cfg.intermediate_size)):

@@ -7,6 +7,8 @@ regroup reports, weight updates) go back to the coordinator on one queue.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import queue
 import traceback
@@ -27,7 +29,8 @@ from .kv import PagedKV
 from .loader import load_model
 from .model import Transformer
 from .regroup import MIGRATION_MODES, regroup
-from ..weightsync import WeightReceiver, WeightSyncError
+from ..affinity import ENGINE_CPUS, pin
+from ..weightsync import DeviceReceiver, WeightReceiver, WeightSyncError
 
 IDLE_POLL_SECONDS = 0.05
 
@@ -52,6 +55,7 @@ class EngineOptions:
     # than max_batch sequences of max_seq tokens could use.
     memory_utilization: float = 0.9
     kv_cache_bytes: int = 0
+    reserved_bytes: int = 0  # of each device, for a colocated trainer rank: what it keeps between phases
     block_size: int = 16  # tokens per KV block
     compile_step: bool = False  # the decode step through torch.compile (Engine's compile_step)
 
@@ -69,6 +73,7 @@ class EngineOptions:
              "ranks sharing a GPU (device cuda-shared) communicate over gloo: use auto or gloo"),
             ("memory_utilization", 0 < self.memory_utilization <= 1, "use a fraction in (0, 1]"),
             ("kv_cache_bytes", self.kv_cache_bytes >= 0, "use 0 (from memory_utilization) or a byte count"),
+            ("reserved_bytes", self.reserved_bytes >= 0, "use 0 or a byte count"),
             ("block_size", self.block_size >= 1 and not self.block_size & (self.block_size - 1),
              "use a power of two, e.g. 16"),
         ):
@@ -119,8 +124,11 @@ def kv_cache_blocks(opts: EngineOptions, cfg: ModelConfig, shape: ModelShape, wo
         weights = shape.params * DTYPE_BYTES[opts.dtype]
         working = int(engine_working_bytes(shape, opts.dtype, opts.max_batch, opts.max_seq, world))
         in_flight = REGROUP_IN_FLIGHT if world > 1 else 0.0  # a regroup's buffers beside the cache
-        budget = int((opts.memory_utilization * total - (total - free) - weights - working) / (1 + in_flight))
-        source = (f"generator.memoryUtilization={opts.memory_utilization} of {_size(total)} ({_size(free)} free), "
+        # A colocated trainer rank keeps reserved_bytes here between phases; it may not have allocated them yet.
+        used = max(total - free, opts.reserved_bytes)
+        budget = int((opts.memory_utilization * total - used - weights - working) / (1 + in_flight))
+        source = (f"generator.memoryUtilization={opts.memory_utilization} of {_size(total)} ({_size(free)} free"
+                  f"{f', {_size(opts.reserved_bytes)} kept for the trainer rank' if opts.reserved_bytes else ''}), "
                   f"less the weights ({_size(weights)}) and working memory ({_size(working)}),")
         knob = "generator.memoryUtilization"
     if budget // block < per_sequence:
@@ -150,10 +158,13 @@ def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_m
     os.environ.update(env or {})
     try:
         torch.set_num_threads(opts.threads)
+        pin(ENGINE_CPUS, rank)
         device = _device(rank, world, opts.device, torch.cuda.device_count())
         if device.type == "cuda":
             torch.cuda.set_device(device)
             os.environ.update(nccl_env(os.environ))
+        else:
+            _return_freed_memory()
         dist.init_process_group(init_method=init_method, rank=rank, world_size=world,
                                 **process_group_options(device, opts.comm_timeout, opts.device == "cuda-shared"))
         pool = CommunicatorPool.build(rank, world, backend=opts.comm_backend, timeout=opts.comm_timeout,
@@ -185,7 +196,8 @@ def rank_main(rank: int, world: int, model_dir: str, opts: EngineOptions, init_m
 
 def _serve(engine: Engine, costs, opts: EngineOptions, commands, events) -> None:
     pending: list[tuple] = []
-    receivers: dict[tuple, WeightReceiver] = {}  # the weight-sync group, joined once per (address, world, rank)
+    # The weight-sync group, joined once per (address, world, rank), or the hand-over's connection per address.
+    receivers: dict = {}
     flag = torch.zeros(1, device=engine.model.device)
     while True:
         batch: list[tuple] = []
@@ -214,8 +226,15 @@ def _serve(engine: Engine, costs, opts: EngineOptions, commands, events) -> None
                 report = regroup(engine, old, new, epoch, costs, migration or opts.migration)
                 if engine.is_leader:
                     events.put(("regrouped", report))
-            elif command[0] == "weights":
-                events.put(("weights", engine.rank, command[1], _receive_weights(engine, receivers, *command[1:])))
+            elif command[0] in ("weights", "weights_device"):
+                receive = _receive_weights if command[0] == "weights" else _take_weights
+                events.put(("weights", engine.rank, command[1], receive(engine, receivers, *command[1:])))
+            elif command[0] == "memory":
+                if command[1]:
+                    engine.acquire_memory()
+                else:
+                    engine.release_memory()
+                events.put(("memory", engine.rank, memory_bytes(engine.model.device)))
         if engine.has_work():
             stats = engine.step()
             if engine.is_leader:
@@ -224,15 +243,43 @@ def _serve(engine: Engine, costs, opts: EngineOptions, commands, events) -> None
                             stats.preempted, engine.kv_usage))
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def _return_freed_memory() -> None:
+    """Allocations of 1 MiB or more get pages of their own (mmap), which free() gives back to the system. glibc's
+    default threshold rises to the size of each such block freed, after which a KV pool released and taken again
+    comes from the heap and stays in the process: its memory would never go back to a colocated trainer."""
+    ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
+
+def memory_bytes(device: torch.device) -> int:
+    """What the rank holds: the CUDA caching allocator's reserved bytes, or on CPU the process's resident set."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _receive_weights(engine: Engine, receivers: dict, version: int, address: str, world: int, rank_offset: int,
                      backend: str) -> str | None:
     """Joins the weight broadcast of `version` (the coordinator sends it only while no request is in the pod);
     returns why the round was refused, or None once the replica holds the new weights."""
+    key = (address, world, rank_offset + engine.rank)
+    return _update(engine, version, receivers, key,
+                   lambda: WeightReceiver(address, world, rank_offset + engine.rank, backend))
+
+
+def _take_weights(engine: Engine, receivers: dict, version: int, address: str, token: str) -> str | None:
+    """As _receive_weights, from the trainer rank on this rank's device (placement colocated)."""
+    return _update(engine, version, receivers, address, lambda: DeviceReceiver(address, engine.rank, token))
+
+
+def _update(engine: Engine, version: int, receivers: dict, key, connect) -> str | None:
     if engine.has_work():  # the coordinator's invariant: new weights mid-sequence would corrupt those requests
         raise RuntimeError(f"weights of version {version} arrived while requests are generating")
-    key = (address, world, rank_offset + engine.rank)
     if key not in receivers:
-        receivers[key] = WeightReceiver(address, world, rank_offset + engine.rank, backend)
+        receivers[key] = connect()
     try:
         receivers[key].receive(engine.model.w, version, engine.model.hf_shapes)
     except WeightSyncError as refused:

@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(engine pat; about 30 s of compiling per rank and TP size at start)")
     ap.add_argument("--kv-cache-bytes", type=int, default=0, help="explicit KV pool bytes per rank, overrides "
                     "--memory-utilization; for tests and benchmarks")
+    ap.add_argument("--reserved-bytes", type=int, default=0, help="bytes of each GPU the KV cache leaves to the "
+                    "trainer rank beside it (placement colocated: what the trainer keeps between phases)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--profile", help="offline T(tp, batch, context) profile JSON (Profile.to_json); default: measured")
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (default: the model directory)")
@@ -88,11 +90,11 @@ def main(argv: list[str] | None = None) -> int:
             options = EngineOptions(max_batch=args.max_batch, max_seq=args.max_seq, dtype=args.dtype,
                                     migration=args.migration, comm_backend=args.comm_backend, device=args.device,
                                     memory_utilization=args.memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
-                                    compile_step=args.compile_step)
+                                    reserved_bytes=args.reserved_bytes, compile_step=args.compile_step)
             tp_sizes = tuple(int(t) for t in args.tp_sizes.split(",")) if args.tp_sizes else None
             pod = Coordinator(PodConfig(args.model, args.ranks, options, args.controller, args.margin,
                                         args.cooldown_steps, args.guard, args.profile, args.tokenizer, tp_sizes,
-                                        args.tensor_parallel_size))
+                                        args.tensor_parallel_size), token=token)
             app = make_app(pod, token)
     except (OSError, ValueError) as e:  # a bad model directory, option or profile file
         print(f"pat generator: {e}", file=sys.stderr)

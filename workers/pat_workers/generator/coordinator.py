@@ -77,8 +77,8 @@ Reply = Callable[[Any, BaseException | None], None]
 
 
 class Coordinator:
-    def __init__(self, config: PodConfig, env: dict[str, str] | None = None):
-        self.config = config
+    def __init__(self, config: PodConfig, env: dict[str, str] | None = None, token: str = ""):
+        self.config, self.token = config, token  # the job's token also authenticates the in-pod weight hand-over
         if config.ranks < 1:
             raise ValueError(f"ranks={config.ranks}: use 1 or more (one engine rank per device)")
         if config.controller not in ("pod", "operator"):
@@ -213,7 +213,10 @@ class Coordinator:
                                waiting=occupancy.get(g, (0, 0))[1]) for g in layouts.groups(self.gen.layout)],
             policy_version=self.gen.policy_version, batch_id=self._batch.batch_id if self._batch else None,
             batch_done=not self._generating(), controller=self.config.controller, world=self.gen.world,
-            weight_receivers=self.gen.world, dtype=self.config.options.dtype)
+            weight_receivers=self.gen.world, dtype=self.config.options.dtype,
+            memory="held" if self.gen.memory_held else "released",
+            memory_bytes=[self.gen.memory_bytes.get(r, 0) for r in range(self.gen.world)] if self.gen.memory_bytes
+            else [])
 
     def _generating(self) -> bool:
         return self._batch is not None and not self._batch.done
@@ -360,6 +363,8 @@ class Coordinator:
             except ValueError as e:
                 raise Invalid(str(e)) from None
         self._refuse_while_busy("a new batch")
+        if not self.gen.memory_held:
+            raise Conflict("the ranks have released their memory (POST /v1/sleep): POST /v1/wake_up before a batch")
         if rollouts.policy_version != self.gen.policy_version:
             raise Conflict(f"policy_version: the batch asks for version {rollouts.policy_version}, the pod holds "
                            f"version {self.gen.policy_version}; send the weights first (POST /v1/weights) or ask "
@@ -439,10 +444,31 @@ class Coordinator:
         """Sends the ranks into the trainer's weight broadcast; policy_version follows once all of them hold it."""
         self._refuse_while_busy("new weights")
         check_weight_update(update, self.gen.policy_version, self.gen.world)
-        self.gen.update_weights(update.version, update.address, update.world, update.rank_offset, update.backend)
+        self.gen.update_weights(update.version, update.address, update.world, update.rank_offset, update.backend,
+                                update.transport, self.token)
         self._receiving = update.version
-        log.info("receiving the weights of version %d from %s (ranks %d..%d of %d)", update.version, update.address,
-                 update.rank_offset, update.rank_offset + self.gen.world - 1, update.world)
+        if update.transport == "device":
+            log.info("receiving the weights of version %d from the trainer ranks on the pod's devices", update.version)
+        else:
+            log.info("receiving the weights of version %d from %s (ranks %d..%d of %d)", update.version,
+                     update.address, update.rank_offset, update.rank_offset + self.gen.world - 1, update.world)
+        return self._snapshot()
+
+    def sleep(self) -> PodState:
+        """Between batches: the ranks give back their KV pools and step memory (placement colocated: the trainer
+        ranks on the same devices train in it). Weights stay."""
+        self._refuse_while_busy("sleep")
+        if self.gen.memory_held:
+            self.gen.set_memory(False)
+            log.info("memory released: %s", _sizes(self.gen.memory_bytes))
+        return self._snapshot()
+
+    def wake_up(self) -> PodState:
+        """The ranks take their KV pools back, every block free."""
+        self._refuse_while_busy("wake up")
+        if not self.gen.memory_held:
+            self.gen.set_memory(True)
+            log.info("memory taken back: %s", _sizes(self.gen.memory_bytes))
         return self._snapshot()
 
 
@@ -451,6 +477,10 @@ def _outcome(reports) -> Literal["applied", "unchanged", "fallback"]:
     if outcomes & {"fallback", "rejected"}:
         return "fallback"
     return "applied" if "applied" in outcomes else "unchanged"
+
+
+def _sizes(per_rank: dict[int, int]) -> str:
+    return ", ".join(f"rank {r} {n / (1 << 20):.0f} MiB" for r, n in sorted(per_rank.items()))
 
 
 def _itemsize(options: EngineOptions) -> int:

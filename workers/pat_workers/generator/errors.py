@@ -35,6 +35,8 @@ def check_weight_update(update: WeightUpdate, policy_version: int, receivers: in
     rank_offset .. rank_offset + receivers - 1 outside the weight-sync world."""
     if update.version <= policy_version:
         raise Conflict(f"version: {update.version} is not newer than the pod's policy_version {policy_version}")
+    if update.transport == "device":
+        return
     try:
         parse_address(update.address)
     except ValueError as e:

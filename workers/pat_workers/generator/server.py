@@ -135,6 +135,12 @@ def make_app(coordinator: Coordinator, token: str) -> web.Application:
         update = await _payload(request, WeightUpdate)
         return _reply(await _ask(c, c.update_weights, update), 202)
 
+    async def sleep(request: web.Request) -> web.Response:
+        return _reply(await _ask(c, c.sleep))
+
+    async def wake_up(request: web.Request) -> web.Response:
+        return _reply(await _ask(c, c.wake_up))
+
     async def state(request: web.Request) -> web.Response:
         return _reply(c.state)
 
@@ -152,8 +158,9 @@ def make_app(coordinator: Coordinator, token: str) -> web.Application:
 
     return pod_app(token, [
         web.post("/v1/rollouts", submit), web.get("/v1/rollouts/{batch_id}", batch_status),
-        web.post("/v1/regroup", regroup), web.post("/v1/weights", weights), web.get("/v1/state", state),
-        web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics),
+        web.post("/v1/regroup", regroup), web.post("/v1/weights", weights), web.post("/v1/sleep", sleep),
+        web.post("/v1/wake_up", wake_up), web.get("/v1/state", state), web.get("/healthz", healthz),
+        web.get("/readyz", readyz), web.get("/metrics", metrics),
     ])
 
 

@@ -3,7 +3,7 @@ buy? Simulates one rollout batch of one generator pod under every policy; prints
 --out and, last, one JSON object. Every figure is simulated. A GPU's step costs come from the GPU model fitted to
 published measurements (docs/cost-model.md); paper-llama8b also runs on this engine's own H200 step costs when
 `make gpu-check` has measured the current engine on an H200 (bench/results/gpu-check-engine-profile.json), and says
-so when it has not.
+so when it has not. --placement both: the iteration separate and colocated at the same GPU count (placement.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,9 @@ from .calibration import fitted
 from .hardware import (ENGINE_PROFILE, HOW_TO_MEASURE, Efficiency, OtherEngine, Roofline, SimError, StepCosts,
                        hardware, measured_profile)
 from .lengths import deepscaler_lengths, read_lengths
+from .placement import Placement, job_placements, preset_placements, resized, switch_seconds
 from .report import Trainer, compare, headline, plots, summary, table
-from .simulate import Scenario
+from .simulate import POLICIES, Scenario
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository, where bench/results is (absent from an installed wheel)
 VERL_ROLLOUT_TP = 2  # verl's default rollout tensor_model_parallel_size (ppo_trainer.yaml)
@@ -49,22 +50,28 @@ class Preset:
 
 @dataclass(frozen=True)
 class Setup:
-    """What one `pat simulate` compares: the batch on one pod, its costs, the trainer and the planner that counts."""
+    """What one `pat simulate` compares: the batch on one pod of its own placement, its costs, the placements at its
+    GPU count and the planner that counts."""
     scenario: Scenario
     shape: ModelShape
     costs: StepCosts
-    trainer_gpus: int
+    placement: str  # its own: the job's spec.placement (a preset's: separate)
+    placements: dict[str, Placement]  # its own, and the other one at the same GPU count where there is one
+    prompts: int  # per iteration, each with `samples` responses, split over the generator pods
+    samples: int
     planner: str  # the policy the reductions are of: the job's controller
     about: dict[str, Any]  # for the JSON: what was simulated
     verl_tp: int | None  # the fixed layout verl's default is (None: not one of this pod's TP sizes)
     engine_profile: StepCosts | None = None  # the same batch on this engine's measured step costs, beside
     no_engine_profile: str | None = None  # why a preset that names such costs runs without them
+    not_placed: dict[str, str] = field(default_factory=dict)  # why a placement has no setup at this GPU count
 
 
 PRESETS = {"paper-llama8b": Preset("llama-3.1-8b", 8192, verl_tp=2,
                                    engine_profile=ENGINE_PROFILE),
            "paper-qwen14b": Preset("qwen3-14b", 16384, verl_tp=4)}
 TRAINER_GPUS = 8  # a preset's trainer: one pod of 8 GPUs of the generator's type
+PLACEMENTS = ("colocated", "separate", "both")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -91,6 +98,10 @@ def parser() -> argparse.ArgumentParser:
                                                             "--no-guard)")
     ap.add_argument("--plan-seconds", type=float, default=0.01,
                     help="a pod's plan() duration, which spaces its plans (default 0.01 s)")
+    ap.add_argument("--placement", choices=PLACEMENTS,
+                    help="the iteration colocated (every GPU generates, then every GPU trains) or separate (generator "
+                         "pods and trainer GPUs), or both at the same GPU count (default: the job's spec.placement; "
+                         "a preset's setup is separate)")
     ap.add_argument("--out", type=Path, help="folder for the plots (default runs/simulate-<time>)")
     return ap
 
@@ -107,29 +118,46 @@ def main(argv: list[str]) -> int:
                        f"{args.plan_seconds} (use >= 0) is out of range")
     calibration = fitted()
     setup = (_from_preset if args.preset is not None else _from_job)(args, calibration.gpu_model)
-    scenario, shape, costs = setup.scenario, setup.shape, setup.costs
-    trainer_gpu = costs.gpu if isinstance(costs, Roofline) else GPUS["H200"]
-    trainer = Trainer(trainer_gpu, setup.trainer_gpus, args.trainer_mfu)
-    tokens = sum(scenario.lengths) + scenario.prompt_tokens * len(scenario.lengths)
-    train_seconds = trainer.seconds(shape, tokens * setup.about["generator_pods"])
+    chosen = args.placement or setup.placement
+    name = setup.placement if chosen == "both" else chosen
+    if name not in setup.placements:
+        raise SimError(f"--placement {name}: {setup.not_placed[name]}; use --placement {setup.placement}")
+    shape, costs = setup.shape, setup.costs
+    # The iteration's tokens, the same in every placement: its responses at the mean of the pod's batch (given
+    # lengths: the batch of each of its own placement's pods).
+    own = setup.scenario
+    responses = (len(own.lengths) * setup.placements[setup.placement].pods if args.lengths
+                 else setup.prompts * setup.samples)
+    tokens = (sum(own.lengths) + own.prompt_tokens * len(own.lengths)) / len(own.lengths) * responses
+    gpu = costs.gpu if isinstance(costs, Roofline) else GPUS["H200"]
+    placement = setup.placements[name]
+    scenario, costs = _placed(setup, placement, args), _placed_costs(costs, placement)
+    trainer = Trainer(gpu, placement.trainer_gpus, args.trainer_mfu)
+    train_seconds, switch = trainer.seconds(shape, tokens), switch_seconds(shape, gpu, placement)
 
     print(f"model: {shape.name} ({shape.params / 1e6:,.0f}M parameters); costs: {costs.description}")
     lengths = scenario.lengths
+    print(f"placement: {placement.describe()} ({placement.gpus} GPUs)")
     print(f"batch: {len(lengths)} responses on one pod of {scenario.world} ranks, lengths mean "
           f"{sum(lengths) / len(lengths):.0f} / max {max(lengths)} (cap {scenario.max_tokens}), prompts "
           f"{scenario.prompt_tokens} tokens; KV capacity per TP=1 group {costs.kv_capacity(1):.0f} tokens")
-    print(f"training: {train_seconds:.2f} s, {trainer.describe()}\n", flush=True)
+    switching = f"; switching between the phases {switch:.2f} s (assumed, sim/placement.py)" if switch else ""
+    print(f"training: {train_seconds:.2f} s, {trainer.describe()}{switching}\n", flush=True)
     if setup.no_engine_profile:
         print(f"{setup.no_engine_profile}\n", flush=True)
     out = args.out or Path("runs") / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
     gpu_modelled = isinstance(costs, Roofline) and costs.efficiency == calibration.gpu_model
-    about = setup.about | {"model": shape.name, "trainer": trainer.describe(),
+    about = setup.about | {"model": shape.name, "trainer": trainer.describe(), "placement": name,
+                           "generator_pods": placement.pods, "gpus": placement.gpus,
                            # of the GPU model's fit (docs/cost-model.md); none for a measured profile
                            "holdout_error": round(calibration.holdout_error, 4) if gpu_modelled else None}
-    result = _compare(setup, costs, train_seconds, about, out)
+    result = _compare(setup, scenario, costs, train_seconds, switch, about, out)
+    if chosen == "both":
+        result |= _placements(setup, args, result, tokens, gpu)
     if setup.engine_profile is not None:
         print(f"\nthe same batch on this engine's measured step costs: {setup.engine_profile.description}")
-        result["engine_profile"] = _compare(setup, setup.engine_profile, train_seconds, {}, out / "engine-profile")
+        result["engine_profile"] = _compare(setup, scenario, setup.engine_profile, train_seconds, switch, {},
+                                            out / "engine-profile")
     elif setup.no_engine_profile:
         result |= {"engine_profile": None, "no_engine_profile": setup.no_engine_profile}
     (out / "summary.json").write_text(json.dumps(result, indent=2))
@@ -138,15 +166,80 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _compare(setup: Setup, costs: StepCosts, train_seconds: float, about: dict[str, Any], out: Path) -> dict[str, Any]:
+def _placed(setup: Setup, placement: Placement, args: argparse.Namespace) -> Scenario:
+    """One pod's batch in `placement`: the setup's own, or the iteration's prompts over its pods (drawn lengths: the
+    same draw's first ones; given lengths: as many of them as its share)."""
+    own = setup.placements[setup.placement]
+    if placement == own:
+        return setup.scenario
+    if args.lengths is None:
+        n = math.ceil(setup.prompts / placement.pods) * setup.samples
+        lengths, prior = _lengths(args, n, setup.scenario.max_tokens)
+    else:
+        n = max(round(len(setup.scenario.lengths) * own.pods / placement.pods), 1)
+        lengths = prior = resized(setup.scenario.lengths, n)
+    return replace(setup.scenario, lengths=lengths, prior=prior)
+
+
+def _placed_costs(costs: StepCosts, placement: Placement) -> StepCosts:
+    """Colocated, a GPU model's KV cache gets less: the trainer rank keeps its resident states beside the engine (a
+    measured profile's cache is the engine's own maxBatch slots, as before)."""
+    return replace(costs, reserved_bytes=placement.resident_bytes) if isinstance(costs, Roofline) else costs
+
+
+def _placements(setup: Setup, args: argparse.Namespace, result: dict[str, Any], tokens: int,
+                gpu: Any) -> dict[str, Any]:
+    """--placement both: the planner's iteration in each placement at the same GPU count (the other one simulated
+    with the planner alone), printed and for the JSON, with colocated_over_separate_iteration."""
+    placed: dict[str, Any] = {}
+    for name in ("separate", "colocated"):
+        placement = setup.placements.get(name)
+        if placement is None:
+            placed[name] = None
+            continue
+        if name == result["placement"]:
+            generation = result["policies"][setup.planner]["generation_seconds"]
+        else:
+            scenario, costs = _placed(setup, placement, args), _placed_costs(setup.costs, placement)
+            generation = POLICIES[setup.planner](scenario, costs).seconds
+        train = Trainer(gpu, placement.trainer_gpus, args.trainer_mfu).seconds(setup.shape, tokens)
+        switch = switch_seconds(setup.shape, gpu, placement)
+        iteration = (result["policies"][setup.planner]["iteration_seconds"] if name == result["placement"]
+                     else generation + train + switch)  # as the table has it
+        seconds = {"generation_seconds": generation, "train_seconds": train, "switch_seconds": switch,
+                   "iteration_seconds": iteration}
+        placed[name] = {"describe": placement.describe(), "gpus": placement.gpus, "generator_pods": placement.pods,
+                        "trainer_gpus": placement.trainer_gpus} | {k: round(s, 3) for k, s in seconds.items()}
+    both = placed["separate"] is not None and placed["colocated"] is not None
+    ratio = (round(placed["colocated"]["iteration_seconds"] / placed["separate"]["iteration_seconds"], 4) if both
+             else None)
+    gpus = next(p["gpus"] for p in placed.values() if p is not None)
+    print(f"\nplacements at {gpus} GPUs, {setup.planner} (simulated, not measured):")
+    for name, p in placed.items():
+        if p is None:
+            print(f"  {name}: none: {setup.not_placed[name]}")
+            continue
+        switching = f" + switching {p['switch_seconds']:.2f} s" if p["switch_seconds"] else ""
+        print(f"  {p['describe']}: generation {p['generation_seconds']:.2f} s + training {p['train_seconds']:.2f} s "
+              f"on {p['trainer_gpus']} GPUs{switching} = {p['iteration_seconds']:.2f} s per iteration")
+    if ratio is not None:
+        print(f"  colocated / separate iteration: {ratio:.3f}")
+    not_placed = {"no_placement": setup.not_placed} if setup.not_placed else {}
+    return {"placements": placed, "colocated_over_separate_iteration": ratio} | not_placed
+
+
+def _compare(setup: Setup, scenario: Scenario, costs: StepCosts, train_seconds: float, switch_seconds: float,
+             about: dict[str, Any], out: Path) -> dict[str, Any]:
     """Every policy on `costs`: prints the table and the headline, writes the plots into `out`; the summary."""
     started = time.perf_counter()
-    results = compare(setup.scenario, costs)
-    print(table(results, train_seconds))
+    results = compare(scenario, costs)
+    rest = train_seconds + switch_seconds  # of the iteration, beside generation
+    print(table(results, rest))
     about = about | {"hardware": costs.description, "simulation_seconds": round(time.perf_counter() - started, 2)}
-    result = summary(results, setup.scenario, setup.planner, train_seconds, about, setup.verl_tp)
+    result = summary(results, scenario, setup.planner, rest, about, setup.verl_tp)
+    result |= {"train_seconds": round(train_seconds, 3), "switch_seconds": round(switch_seconds, 3)}
     out.mkdir(parents=True, exist_ok=True)
-    result["plots"] = plots(results, len(setup.scenario.lengths), train_seconds, out)
+    result["plots"] = plots(results, len(scenario.lengths), rest, out)
     print(f"simulated, not measured: {headline(result)}")
     return result
 
@@ -167,9 +260,9 @@ def _from_preset(args: argparse.Namespace, gpu_model: Efficiency) -> Setup:
     scenario = Scenario(lengths, args.prompt_tokens or preset.prompt_tokens, cap, preset.world, preset.max_batch,
                         tuple(shape.tp_sizes(preset.world)), prior, guard=not args.no_guard,
                         plan_seconds=args.plan_seconds)
-    about = {"preset": args.preset, "rollout_batch": f"{preset.prompts} prompts x {preset.samples} samples",
-             "generator_pods": 1}
-    return Setup(scenario, shape, costs, TRAINER_GPUS, "planner (pod)", about, preset.verl_tp, engine_profile,
+    about = {"preset": args.preset, "rollout_batch": f"{preset.prompts} prompts x {preset.samples} samples"}
+    return Setup(scenario, shape, costs, "separate", preset_placements(preset.world, TRAINER_GPUS, shape),
+                 preset.prompts, preset.samples, "planner (pod)", about, preset.verl_tp, engine_profile,
                  no_engine_profile)
 
 
@@ -218,11 +311,11 @@ def _from_job(args: argparse.Namespace, gpu_model: Efficiency) -> Setup:
                         cooldown_steps=adaptive.cooldown_steps, query_interval=adaptive.prometheus.query_interval,
                         cooldown_seconds=adaptive.cooldown_seconds, plan_seconds=args.plan_seconds)
     about = {"job": job.metadata.name, "rollout_batch": f"{n // alg.samples_per_prompt} prompts x "
-             f"{alg.samples_per_prompt} samples per pod", "generator_pods": gen.replicas,
-             "adaptive_tp_enabled": gen.adaptive}
-    trainer_gpus = max(spec.trainer.replicas * spec.trainer.gpus_per_pod, 1)
+             f"{alg.samples_per_prompt} samples per pod", "adaptive_tp_enabled": gen.adaptive}
     verl_tp = VERL_ROLLOUT_TP if VERL_ROLLOUT_TP in tp_sizes else None
-    return Setup(scenario, shape, costs, trainer_gpus, f"planner ({adaptive.controller})", about, verl_tp)
+    placements, not_placed = job_placements(spec, shape)
+    return Setup(scenario, shape, costs, spec.placement, placements, alg.prompts_per_iteration,
+                 alg.samples_per_prompt, f"planner ({adaptive.controller})", about, verl_tp, not_placed=not_placed)
 
 
 def _gpu_of(node_selector: dict[str, str]) -> str:
