@@ -542,7 +542,8 @@ class RLHFJobSpec(_Model):
         if "ranks_per_pod" in t.model_fields_set and t.ranks != g.ranks:
             raise ValueError(f"spec.placement: colocated runs a trainer rank beside each of the {g.ranks} engine "
                              f"ranks per pod: trainer.ranksPerPod={t.ranks_per_pod} differs; leave it out")
-        trainer = t.model_copy(update={"replicas": g.replicas, "gpus_per_pod": g.gpus_per_pod,
+        # All of them, so that the spec written out (the pods' ConfigMap) reads back the same.
+        trainer = t.model_copy(update={**{name: getattr(g, name) for name in COLOCATED_POD_FIELDS},
                                        "ranks_per_pod": None if g.gpus_per_pod else g.ranks})
         return spec.model_copy(update={"trainer": trainer}).checked()
 

@@ -27,6 +27,13 @@ Counted per rank (P parameters, W = trainer.world_size, e = 2 bytes per element 
   profiles its own activations and CUDA graphs at start and its KV cache gets the rest: the GPU's shard of the
   weights (1/tensorParallelSize) and its share of the KV cache of one sequence of maxModelLen (vLLM refuses to start
   without room for one). The model's attention heads must split over the TP size.
+- colocated GPU (spec.placement colocated: a trainer rank and an engine rank on it, taking turns), per phase.
+  Resident through both: the trainer's sharded states but the gradients (fp32 parameters, AdamW's moments, the
+  reference; none with trainer.cpuOffload: trainer_resident_bytes) and the engine's weights. Generating, within
+  memoryUtilization: the engine's working memory and its KV cache, which gets what the resident part leaves (at
+  least one sequence of maxSeq). Training, within all but HEADROOM (the engine's KV cache and working memory
+  released): the gradients, the trainer's unsharded blocks, activations and loss chunk, and one weight-sync bucket
+  (WEIGHT_SYNC_BUCKET_BYTES) in transit for the hand-over to the engine after the step.
 HEADROOM (a tenth of each trainer device) is kept free for what is not counted: the CUDA context, NCCL buffers,
 allocator fragmentation, the gradients of activations inside a block's backward.
 """
@@ -41,7 +48,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .api import JobSpecError, RLHFJobSpec
+from .api import COLOCATED_POD_FIELDS, GPU_PRODUCT_LABEL, JobSpecError, RLHFJobSpec
 from .layout import tp_degrees
 
 GIB = 1 << 30
@@ -53,9 +60,11 @@ BLOCK_SIZE = 16  # tokens per KV block (engine/rank.py: EngineOptions.block_size
 # Of the KV cache, what a regroup holds beside it at a time: a round's blocks sent and received, 4% of the cache
 # each way (engine/regroup.py).
 REGROUP_IN_FLIGHT = 0.08
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # GPU feature discovery's node label
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_GPUS_PER_POD = 8  # the largest pod a fix suggests (one node of 8 GPUs)
+# Colocated, the trainer hands its weights to the engine in buckets of at most this many bytes (weightsync.py's
+# BUCKET_BYTES): the most that is in transit on a GPU at a time.
+WEIGHT_SYNC_BUCKET_BYTES = 256 * MIB
 
 
 class FitError(ValueError):
@@ -287,15 +296,36 @@ def layer_activation_bytes(shape: ModelShape, element_size: int) -> int:
     return e * h + norms + attention + 4 * e * shape.intermediate
 
 
-def trainer_memory(spec: RLHFJobSpec, shape: ModelShape) -> Memory:
-    """Per trainer rank (see the module's docstring)."""
+def _state_terms(shape: ModelShape, world: int, reference: bool) -> list[tuple[str, float]]:
+    """The sharded states a trainer rank keeps from step to step, over `world` ranks: fp32 parameters, AdamW's
+    moments and, with a KL term, the reference policy."""
+    w, p = world, shape.params
+    return [(f"parameters (fp32, 1/{w})", 4 * p / w), (f"AdamW moments (fp32, 1/{w})", 8 * p / w),
+            *[(f"reference policy (fp32, 1/{w})", 4 * p / w)] * reference]
+
+
+def sharded_state_bytes(shape: ModelShape, world: int, reference: bool) -> float:
+    """What _state_terms counts, for a trainer without a spec (`pat simulate`'s presets)."""
+    return sum(b for _, b in _state_terms(shape, world, reference))
+
+
+def _trainer_resident(spec: RLHFJobSpec, shape: ModelShape) -> list[tuple[str, float]]:
+    """The job's trainer rank's sharded states (wherever they live: trainer_memory says where)."""
+    return _state_terms(shape, spec.trainer.world_size, spec.algorithm.kl_coef > 0)
+
+
+def _trainer_gradients(spec: RLHFJobSpec, shape: ModelShape) -> tuple[str, float]:
+    """The sharded fp32 gradients: they exist from the first backward of a step to its optimizer step."""
+    w = spec.trainer.world_size
+    return f"gradients (fp32, 1/{w})", 4 * shape.params / w
+
+
+def _trainer_buffers(spec: RLHFJobSpec, shape: ModelShape) -> list[tuple[str, float]]:
+    """What a trainer rank allocates only while it trains, always on its device: the unsharded parameters of two
+    blocks and the root, one micro-batch's activations, a loss chunk's logits."""
     t, tokens = spec.trainer, spec.algorithm.max_tokens_per_micro_batch
     on_gpu = t.gpus_per_pod > 0
-    e, w, p = (2 if on_gpu else 4), t.world_size, shape.params
-    states = [(f"parameters (fp32, 1/{w})", 4 * p / w), (f"gradients (fp32, 1/{w})", 4 * p / w),
-              (f"AdamW moments (fp32, 1/{w})", 8 * p / w)]
-    if spec.algorithm.kl_coef > 0:
-        states.append((f"reference policy (fp32, 1/{w})", 4 * p / w))
+    e = 2 if on_gpu else 4
     block = layer_activation_bytes(shape, e)
     final_norm = (4 + 2 * e) * shape.hidden  # the final rms_norm, and the response rows gathered for the loss
     if t.checkpointing:
@@ -303,13 +333,28 @@ def trainer_memory(spec: RLHFJobSpec, shape: ModelShape) -> Memory:
                        tokens * (shape.layers * e * shape.hidden + block + final_norm))
     else:
         activations = (f"activations ({tokens} tokens, every block)", tokens * (shape.layers * block + final_norm))
-    working = [(f"unsharded: 2 blocks + root ({'bf16' if on_gpu else 'fp32'})",
-                e * (2 * shape.layer_params + shape.root_params)), activations,
-               (f"loss: logits of {min(LOSS_CHUNK_TOKENS, tokens)} tokens (fp32 x 3)",
-                3 * 4 * min(LOSS_CHUNK_TOKENS, tokens) * shape.vocab)]
-    if on_gpu and t.cpu_offload:
-        return Memory(tuple(working), tuple(states))
-    return Memory(tuple(states + working))
+    return [(f"unsharded: 2 blocks + root ({'bf16' if on_gpu else 'fp32'})",
+             e * (2 * shape.layer_params + shape.root_params)), activations,
+            (f"loss: logits of {min(LOSS_CHUNK_TOKENS, tokens)} tokens (fp32 x 3)",
+             3 * 4 * min(LOSS_CHUNK_TOKENS, tokens) * shape.vocab)]
+
+
+def _offloaded(spec: RLHFJobSpec) -> bool:
+    """Whether the sharded states (parameters, gradients, AdamW's moments, the reference) live in host memory."""
+    return spec.trainer.gpus_per_pod > 0 and spec.trainer.cpu_offload
+
+
+def trainer_memory(spec: RLHFJobSpec, shape: ModelShape) -> Memory:
+    """Per trainer rank (see the module's docstring): the sharded states, then what only training allocates."""
+    states = [*_trainer_resident(spec, shape), _trainer_gradients(spec, shape)]
+    buffers = _trainer_buffers(spec, shape)
+    return Memory(tuple(buffers), tuple(states)) if _offloaded(spec) else Memory(tuple(states + buffers))
+
+
+def trainer_resident_bytes(spec: RLHFJobSpec, shape: ModelShape) -> float:
+    """Bytes a trainer rank keeps on its device between steps (colocated: while the engine generates): its shards of
+    the fp32 parameters, AdamW's moments and the reference policy; 0 with trainer.cpuOffload (in host memory)."""
+    return 0.0 if _offloaded(spec) else sum(b for _, b in _trainer_resident(spec, shape))
 
 
 def engine_working_bytes(shape: ModelShape, dtype: str, max_batch: int, max_seq: int, ranks: int) -> float:
@@ -340,17 +385,33 @@ def _kv_share(spec: RLHFJobSpec, shape: ModelShape) -> float:
     return max(shape.kv_heads // tp, 1) / shape.kv_heads
 
 
+def _engine_weights(spec: RLHFJobSpec, shape: ModelShape) -> tuple[str, float]:
+    """An engine rank's weights: the whole replica in model.dtype (engine vllm: the GPU's 1/tensorParallelSize)."""
+    g, dtype = spec.generator, spec.model.dtype
+    tp = g.vllm.tensor_parallel_size if g.engine == "vllm" else 1
+    if g.engine == "vllm":
+        return f"weights ({dtype}, {f'1/{tp} of ' if tp > 1 else ''}the model)", shape.params * DTYPE_BYTES[dtype] / tp
+    return f"weights ({dtype}, the whole model)", shape.params * DTYPE_BYTES[dtype]
+
+
+def _engine_working(spec: RLHFJobSpec, shape: ModelShape) -> list[tuple[str, float]]:
+    """An engine rank's working memory while it generates (none counted with engine vllm: vLLM profiles its own)."""
+    g = spec.generator
+    if g.engine == "vllm":
+        return []
+    return [(f"working memory (a forward of {max(PREFILL_TOKENS, g.max_seq)} tokens)",
+             engine_working_bytes(shape, spec.model.dtype, g.max_batch, g.max_seq, g.ranks))]
+
+
 def _engine_fixed(spec: RLHFJobSpec, shape: ModelShape) -> list[tuple[str, float]]:
     """What an engine rank holds beside its KV cache: the weights and the working memory (the module's docstring);
     with engine vllm only the GPU's shard of the weights."""
-    g, dtype = spec.generator, spec.model.dtype
-    if g.engine == "vllm":
-        tp = g.vllm.tensor_parallel_size
-        return [(f"weights ({dtype}, {f'1/{tp} of ' if tp > 1 else ''}the model)",
-                 shape.params * DTYPE_BYTES[dtype] / tp)]
-    working = engine_working_bytes(shape, dtype, g.max_batch, g.max_seq, g.ranks)
-    return [(f"weights ({dtype}, the whole model)", shape.params * DTYPE_BYTES[dtype]),
-            (f"working memory (a forward of {max(PREFILL_TOKENS, g.max_seq)} tokens)", working)]
+    return [_engine_weights(spec, shape), *_engine_working(spec, shape)]
+
+
+def _beside_engine(spec: RLHFJobSpec, shape: ModelShape) -> float:
+    """What else holds the engine's device while it generates: colocated, the trainer rank's resident states."""
+    return trainer_resident_bytes(spec, shape) if spec.placement == "colocated" else 0.0
 
 
 def _in_flight(spec: RLHFJobSpec, shape: ModelShape) -> float:
@@ -373,19 +434,21 @@ def _block_bytes(spec: RLHFJobSpec, shape: ModelShape) -> float:
 def kv_blocks(spec: RLHFJobSpec, shape: ModelShape, memory_bytes: float | None) -> tuple[int, int | None]:
     """(blocks the KV cache of an engine rank holds, blocks memoryUtilization x memory_bytes has room for, or None
     without a device to size it from); at most maxBatch sequences of maxSeq tokens (engine vllm: no cap here, and one
-    sequence without a device)."""
+    sequence without a device). Colocated, the trainer rank's resident states (trainer_resident_bytes) take their
+    part of memoryUtilization first."""
     g = spec.generator
     cap = g.max_batch * sequence_blocks(spec) if g.engine == "pat" else None
     if memory_bytes is None:
         return cap or sequence_blocks(spec), None
-    rest = utilization(spec) * memory_bytes - sum(b for _, b in _engine_fixed(spec, shape))
+    beside = sum(b for _, b in _engine_fixed(spec, shape)) + _beside_engine(spec, shape)
+    rest = utilization(spec) * memory_bytes - beside
     room = max(int(rest / (_block_bytes(spec, shape) * (1 + _in_flight(spec, shape)))), 0)
     return (room if cap is None else min(cap, room)), room
 
 
-def generator_memory(spec: RLHFJobSpec, shape: ModelShape, memory_bytes: float | None = None) -> Memory:
-    """Per generator engine rank on a device of memory_bytes (None: not known, the cache at its cap); see the
-    module's docstring. A cache without room for one sequence counts as one (what the rank needs at least)."""
+def _kv_terms(spec: RLHFJobSpec, shape: ModelShape, memory_bytes: float | None) -> list[tuple[str, float]]:
+    """The KV cache kv_blocks sizes, and a regroup's transfer buffers beside it. A cache without room for one
+    sequence counts as one (what the rank needs at least)."""
     blocks, room = kv_blocks(spec, shape, memory_bytes)
     block, moving, length = _block_bytes(spec, shape), _in_flight(spec, shape), max_len(spec)
     bound = ("at most " if spec.generator.engine == "pat" else "at least ") * (room is None)
@@ -393,10 +456,16 @@ def generator_memory(spec: RLHFJobSpec, shape: ModelShape, memory_bytes: float |
         label = f"KV cache ({bound}{held} x {length} tokens)"
     else:
         label, blocks = f"KV cache (1 x {length} tokens: no room)", sequence_blocks(spec)
-    terms = [*_engine_fixed(spec, shape), (label, blocks * block)]
+    terms = [(label, blocks * block)]
     if moving:
         terms.append((f"regroup: KV in flight ({moving:.0%} of the cache)", moving * blocks * block))
-    return Memory(tuple(terms))
+    return terms
+
+
+def generator_memory(spec: RLHFJobSpec, shape: ModelShape, memory_bytes: float | None = None) -> Memory:
+    """Per generator engine rank on a device of memory_bytes (None: not known, the cache at its cap); see the
+    module's docstring."""
+    return Memory((*_engine_fixed(spec, shape), *_kv_terms(spec, shape, memory_bytes)))
 
 
 def generator_need(spec: RLHFJobSpec, shape: ModelShape) -> float:
@@ -408,6 +477,46 @@ def generator_need(spec: RLHFJobSpec, shape: ModelShape) -> float:
 
 ROLES: dict[str, Callable[[RLHFJobSpec, ModelShape, float | None], Memory]] = {
     "trainer": lambda spec, shape, _memory_bytes: trainer_memory(spec, shape), "generator": generator_memory}
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Per GPU of a colocated pod, its trainer rank and engine rank together, in bytes by term: what stays across the
+    phases, what generating adds (the engine's working memory and KV cache, released for training) and what training
+    adds (the trainer's gradients and buffers, freed before generating); `host`: what trainer.cpuOffload keeps in
+    host memory."""
+    resident: tuple[tuple[str, float], ...]
+    generate: tuple[tuple[str, float], ...]
+    train: tuple[tuple[str, float], ...]
+    host: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def resident_bytes(self) -> float:
+        return sum(b for _, b in self.resident)
+
+    @property
+    def generate_bytes(self) -> float:
+        """On the GPU while generating: the resident part and the generate phase's."""
+        return self.resident_bytes + sum(b for _, b in self.generate)
+
+    @property
+    def train_bytes(self) -> float:
+        return self.resident_bytes + sum(b for _, b in self.train)
+
+
+def colocated_memory(spec: RLHFJobSpec, shape: ModelShape, memory_bytes: float | None = None) -> Phases:
+    """Per GPU of a colocated pod on a device of memory_bytes (None: not known, the KV cache at its cap). Resident:
+    the trainer's sharded states (trainer_resident_bytes) and the engine's weights, which it keeps while the trainer
+    trains. The weights then pass to the engine one bucket at a time: counted in the train phase."""
+    label, weights = _engine_weights(spec, shape)
+    states, gradients = _trainer_resident(spec, shape), _trainer_gradients(spec, shape)
+    offloaded = _offloaded(spec)
+    engine = lambda terms: [(f"engine {name}", b) for name, b in terms]  # noqa: E731
+    return Phases(resident=tuple(states * (not offloaded) + engine([(label, weights)])),
+                  generate=tuple(engine([*_engine_working(spec, shape), *_kv_terms(spec, shape, memory_bytes)])),
+                  train=tuple([gradients] * (not offloaded) + _trainer_buffers(spec, shape)
+                              + [("weight hand-over: one bucket in transit", min(WEIGHT_SYNC_BUCKET_BYTES, weights))]),
+                  host=tuple([*states, gradients] * offloaded))
 
 
 # --- the check ---------------------------------------------------------------------------------------------------
@@ -432,9 +541,40 @@ def need(spec: RLHFJobSpec, shape: ModelShape, role: str) -> float:
     return trainer_memory(spec, shape).total if role == "trainer" else generator_need(spec, shape)
 
 
+@dataclass(frozen=True)
+class Budget:
+    """One limit on a device: at least `need` bytes of the `allowed` (a trainer rank, an engine rank, or a colocated
+    GPU's phase: generate or train)."""
+    name: str
+    need: float
+    allowed: float
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.allowed
+
+
+def budgets(spec: RLHFJobSpec, shape: ModelShape, role: str, memory_bytes: float) -> list[Budget]:
+    """The limits a role's device of memory_bytes must keep. Role trainer or generator: the rank's need() within its
+    allowance(). Role colocated, per phase: generating, the resident part (trainer_resident_bytes and the engine's
+    weights), the engine's working memory and a KV cache of one sequence within memoryUtilization (as the engine
+    alone); training, the resident part and the trainer's gradients and buffers within all but HEADROOM (as the
+    trainer alone)."""
+    if role != "colocated":
+        return [Budget(role, need(spec, shape, role), allowance(spec, role, memory_bytes))]
+    generate = trainer_resident_bytes(spec, shape) + generator_need(spec, shape)
+    return [Budget("generate", generate, allowance(spec, "generator", memory_bytes)),
+            Budget("train", colocated_memory(spec, shape).train_bytes, usable(memory_bytes))]
+
+
+def fits(spec: RLHFJobSpec, shape: ModelShape, role: str, memory_bytes: float) -> bool:
+    return all(b.fits for b in budgets(spec, shape, role, memory_bytes))
+
+
 def role_gpus(spec: RLHFJobSpec, name: str | None = None, *, lenient: bool = False) -> dict[str, GPU | None]:
     """Each GPU role's GPU: `name` for every role, else its nodeSelector's (None without the label); CPU roles are
-    left out. An unknown GPU is a FitError, or with `lenient` None (the operator's table may lag the hardware)."""
+    left out. Colocated, one role, "colocated": the generator pods' GPUs, which host both. An unknown GPU is a
+    FitError, or with `lenient` None (the operator's table may lag the hardware)."""
     named = gpu(name) if name else None
 
     def one(node_selector: dict[str, str]) -> GPU | None:
@@ -445,16 +585,16 @@ def role_gpus(spec: RLHFJobSpec, name: str | None = None, *, lenient: bool = Fal
                 return None
             raise
 
-    return {role: one(template.node_selector) for role, template in (("trainer", spec.trainer),
-                                                                     ("generator", spec.generator))
-            if template.gpus_per_pod > 0}
+    roles = ((("colocated", spec.generator),) if spec.placement == "colocated"
+             else (("trainer", spec.trainer), ("generator", spec.generator)))
+    return {role: one(template.node_selector) for role, template in roles if template.gpus_per_pod > 0}
 
 
 def problems(spec: RLHFJobSpec, shape: ModelShape, gpus: dict[str, GPU | None]) -> list[str]:
     """A generator.maxSeq (engine vllm: vllm.maxModelLen) beyond the model's positions, a vLLM TP size that does not
     split the attention heads, an engine pat fixed TP size (generator.tensorParallelSize) its heads and MLP do not
-    allow, and one message per role that does not fit its GPU (a role mapped to None is not
-    checked), naming the field to change and the least change that fits."""
+    allow, and one message per role that does not fit its GPU (a role mapped to None is not checked; colocated: a
+    phase that does not fit), naming the field to change and the least change that fits."""
     g, seq, positions = spec.generator, max_len(spec), shape.max_positions
     name = "generator.vllm.maxModelLen" if g.engine == "vllm" and g.vllm.max_model_len else "generator.maxSeq"
     beyond = (f"spec.{name}: {name}={seq} is beyond the model's max_position_embeddings={positions}; lower {name} "
@@ -497,11 +637,13 @@ def require_fit(spec: RLHFJobSpec, source: str, shape: ModelShape | None = None)
         raise JobSpecError(f"{source} does not fit:\n" + "\n".join(f"  {p}" for p in found))
 
 
-def check_free(spec: RLHFJobSpec, shape: ModelShape, free_bytes: float, role: str = "trainer",
+def check_free(spec: RLHFJobSpec, shape: ModelShape, free_bytes: float, role: str | None = None,
                device: str = "this device") -> str | None:
     """A rank's start-up check: the same estimate against the memory free on its device (on a GPU
-    torch.cuda.mem_get_info()[0]; on CPU MemAvailable over the ranks on the host). None when it fits, else the
-    message naming the field to change."""
+    torch.cuda.mem_get_info()[0]; on CPU MemAvailable over the ranks on the host). Role: by default the trainer
+    rank's own, or colocated the whole device's, both ranks through both phases (checked before either rank
+    allocates). None when it fits, else the message naming the field to change."""
+    role = role or ("colocated" if spec.placement == "colocated" else "trainer")
     return _check(spec, shape, role, free_bytes, f"the {gib(free_bytes)} free on {device}")
 
 
@@ -509,43 +651,82 @@ def check_free(spec: RLHFJobSpec, shape: ModelShape, free_bytes: float, role: st
 FIXES = {"trainer": ("algorithm.maxTokensPerMicroBatch", "trainer.activationCheckpointing", "trainer.gpusPerPod",
                      "trainer.replicas", "trainer.cpuOffload"),
          "generator": ("generator.memoryUtilization", "model.dtype", "generator.maxSeq"),
-         "generator-vllm": ("generator.vllm.gpuMemoryUtilization", "model.dtype", "generator.vllm.tensorParallelSize")}
+         "generator-vllm": ("generator.vllm.gpuMemoryUtilization", "model.dtype", "generator.vllm.tensorParallelSize"),
+         # Colocated, the pods are the generator's: more of them, or more GPUs each, shard the trainer further.
+         "colocated": ("algorithm.maxTokensPerMicroBatch", "trainer.activationCheckpointing",
+                       "generator.memoryUtilization", "model.dtype", "generator.maxSeq", "generator.gpusPerPod",
+                       "generator.replicas", "trainer.cpuOffload"),
+         "colocated-vllm": ("algorithm.maxTokensPerMicroBatch", "trainer.activationCheckpointing",
+                            "generator.vllm.gpuMemoryUtilization", "model.dtype", "generator.vllm.tensorParallelSize",
+                            "generator.gpusPerPod", "generator.replicas", "trainer.cpuOffload")}
 
 
 def _fix_fields(spec: RLHFJobSpec, role: str) -> tuple[str, ...]:
-    return FIXES["generator-vllm" if role == "generator" and spec.generator.engine == "vllm" else role]
-MAX_REPLICAS = 64  # the most trainer pods a fix suggests
+    return FIXES[f"{role}-vllm" if role in ("generator", "colocated") and spec.generator.engine == "vllm" else role]
+
+
+MAX_REPLICAS = 64  # the most trainer pods (colocated: pods) a fix suggests
 
 
 def _check(spec: RLHFJobSpec, shape: ModelShape, role: str, capacity: float, of: str) -> str | None:
-    needed, allowed = need(spec, shape, role), allowance(spec, role, capacity)
-    if needed <= allowed:
+    limits = budgets(spec, shape, role, capacity)
+    if all(b.fits for b in limits):
         return None
-    unit = "GPU" if getattr(spec, role).gpus_per_pod > 0 else "rank"
-    who = f"a {role} rank of {shape.name} needs {gib(needed)} per {unit}"
-    if role == "generator" and spec.generator.engine == "vllm":
-        tp = spec.generator.vllm.tensor_parallel_size
-        who = (f"a vLLM engine of {shape.name} needs {gib(needed)} per GPU (its 1/{tp} of the weights and of the KV "
-               f"cache of one sequence of maxModelLen={max_len(spec)} tokens; vLLM's own working memory is not "
-               f"counted)")
-        room = f"more than the {gib(allowed)} it may use of {of}"
-    elif role == "generator":
-        who += f" (weights, working memory and the KV cache of one sequence of maxSeq={spec.generator.max_seq} tokens)"
-        room = f"more than the {gib(allowed)} it may use of {of}"
+    template = spec.generator if role == "colocated" else getattr(spec, role)
+    unit = "GPU" if template.gpus_per_pod > 0 else "rank"
+    if role == "colocated":
+        who = (f"a {unit} of colocated {shape.name} (a trainer rank and an engine rank) needs "
+               + "; and ".join(_phase(spec, shape, b, of) for b in limits))
+        room = ""
     else:
-        room = f"more than the {gib(allowed)} usable of {of} ({HEADROOM:.0%} kept free)"
+        (limit,) = limits
+        who = f"a {role} rank of {shape.name} needs {gib(limit.need)} per {unit}"
+        room = f", more than the {gib(limit.allowed)} it may use of {of}"
+        if role == "generator" and spec.generator.engine == "vllm":
+            tp = spec.generator.vllm.tensor_parallel_size
+            who = (f"a vLLM engine of {shape.name} needs {gib(limit.need)} per GPU (its 1/{tp} of the weights and of "
+                   f"the KV cache of one sequence of maxModelLen={max_len(spec)} tokens; vLLM's own working memory is "
+                   f"not counted)")
+        elif role == "generator":
+            who += (f" (weights, working memory and the KV cache of one sequence of maxSeq={spec.generator.max_seq} "
+                    f"tokens)")
+        else:
+            room = f", more than the {gib(limit.allowed)} usable of {of} ({HEADROOM:.0%} kept free)"
     fixes = list(_fixes(spec, shape, role, capacity))
     if not fixes:
-        return (f"spec.{role}.nodeSelector: {who}, {room}, and no single change of "
+        selector = "generator" if role == "colocated" else role
+        return (f"spec.{selector}.nodeSelector: {who}{room}, and no single change of "
                 f"{', '.join(_fix_fields(spec, role))} fits; use GPUs with more memory")
 
-    def result(fixed: float, fixed_allowed: float) -> str:
-        return gib(fixed) + (f" of {gib(fixed_allowed)}" if fixed_allowed != allowed else "")
+    def result(fixed: list[Budget]) -> str:
+        if role == "colocated":
+            return ", ".join(f"{b.name} {gib(b.need)} of {gib(b.allowed)}" for b in fixed)
+        (b,) = fixed
+        return gib(b.need) + (f" of {gib(b.allowed)}" if b.allowed != limits[0].allowed else "")
 
-    (path, now, new, *fixed), *others = fixes
+    (path, now, new, fixed), *others = fixes
     name = path.rsplit(".", 1)[1]
-    also = "; also fits: " + ", ".join(f"{p}={_text(v)} ({result(*f)})" for p, _, v, *f in others) if others else ""
-    return f"spec.{path}: {who} with {name}={_text(now)}, {room}; with {name}={_text(new)}: {result(*fixed)}{also}"
+    also = "; also fits: " + ", ".join(f"{p}={_text(v)} ({result(f)})" for p, _, v, f in others) if others else ""
+    if role == "colocated":
+        return f"spec.{path}: with {name}={_text(now)}, {who}; with {name}={_text(new)}: {result(fixed)}{also}"
+    return f"spec.{path}: {who} with {name}={_text(now)}{room}; with {name}={_text(new)}: {result(fixed)}{also}"
+
+
+def _phase(spec: RLHFJobSpec, shape: ModelShape, b: Budget, of: str) -> str:
+    """A colocated phase's need, its parts and its limit, e.g. `26.3 GiB to train (...) of the 71.7 GiB usable ...`."""
+    trainer, weights = trainer_resident_bytes(spec, shape), _engine_weights(spec, shape)[1]
+    resident = f"resident {gib(trainer + weights)}: the trainer's states {gib(trainer)}, the engine's weights " \
+               f"{gib(weights)}"
+    if b.name == "generate":
+        knob = "vllm.gpuMemoryUtilization" if spec.generator.engine == "vllm" else "memoryUtilization"
+        what = (f"{resident}; the engine's working memory and the KV cache of one sequence of {max_len(spec)} tokens "
+                f"{gib(b.need - trainer - weights)}")
+        limit = f"the {gib(b.allowed)} that {knob}={utilization(spec)} allows of {of}"
+    else:
+        what = f"{resident}; gradients, activations and buffers {gib(b.need - trainer - weights)}"
+        limit = f"the {gib(b.allowed)} usable of {of} ({HEADROOM:.0%} kept free)"
+    verdict = "more than" if not b.fits else "within"
+    return f"{gib(b.need)} to {b.name} ({what}), {verdict} {limit}"
 
 
 def _text(value: Any) -> str:
@@ -553,50 +734,73 @@ def _text(value: Any) -> str:
 
 
 def _fixes(spec: RLHFJobSpec, shape: ModelShape, role: str,
-           capacity: float) -> Iterator[tuple[str, Any, Any, float, float]]:
-    """(field path, its value now, the least change of it that fits, the need and the allowance with it) for each
-    field of FIXES[role] that has one; a change that would make the spec invalid is not one."""
+           capacity: float) -> Iterator[tuple[str, Any, Any, list[Budget]]]:
+    """(field path, its value now, the least change of it that fits, the budgets with it) for each field of
+    FIXES[role] that has one; a change that would make the spec invalid is not one."""
     a, t, g = spec.algorithm, spec.trainer, spec.generator
-    if role == "trainer":
-        halved = [1 << i for i in range(a.max_tokens_per_micro_batch.bit_length() - 1, 0, -1)]
-        tried = {"algorithm.maxTokensPerMicroBatch": (a.max_tokens_per_micro_batch, [
-                     v for v in [*halved, g.max_seq] if g.max_seq <= v < a.max_tokens_per_micro_batch]),
-                 "trainer.activationCheckpointing": (t.checkpointing, [True] * (not t.checkpointing)),
-                 "trainer.gpusPerPod": (t.gpus_per_pod, [n for n in tp_degrees(MAX_GPUS_PER_POD)
-                                                         if 0 < t.gpus_per_pod < n]),
-                 "trainer.replicas": (t.replicas, range(t.replicas + 1, MAX_REPLICAS + 1)),
-                 "trainer.cpuOffload": (t.cpu_offload, [True] * (t.gpus_per_pod > 0 and not t.cpu_offload))}
-    else:
-        v = g.vllm
-        tried = {"generator.memoryUtilization": (g.memory_utilization, [
-                     u / 100 for u in range(int(g.memory_utilization * 100) + 1, 101)]),
-                 "model.dtype": (spec.model.dtype, ["bfloat16"] * (spec.model.dtype == "float32")),
-                 "generator.maxSeq": (g.max_seq, range((g.max_seq - 1) // 256 * 256, 0, -256)),
-                 "generator.vllm.gpuMemoryUtilization": (v.gpu_memory_utilization, [
-                     u / 100 for u in range(int(v.gpu_memory_utilization * 100) + 1, 101)]),
-                 "generator.vllm.tensorParallelSize": (v.tensor_parallel_size, [
-                     t for t in range(v.tensor_parallel_size + 1, g.ranks + 1) if shape.heads % t == 0])}
+    v = g.vllm
+    halved = [1 << i for i in range(a.max_tokens_per_micro_batch.bit_length() - 1, 0, -1)]
+    more_gpus = lambda now: [n for n in tp_degrees(MAX_GPUS_PER_POD) if 0 < now < n]  # noqa: E731
+    tried = {"algorithm.maxTokensPerMicroBatch": (a.max_tokens_per_micro_batch, [
+                 n for n in [*halved, g.max_seq] if g.max_seq <= n < a.max_tokens_per_micro_batch]),
+             "trainer.activationCheckpointing": (t.checkpointing, [True] * (not t.checkpointing)),
+             "trainer.gpusPerPod": (t.gpus_per_pod, more_gpus(t.gpus_per_pod)),
+             "trainer.replicas": (t.replicas, range(t.replicas + 1, MAX_REPLICAS + 1)),
+             "trainer.cpuOffload": (t.cpu_offload, [True] * (t.gpus_per_pod > 0 and not t.cpu_offload)),
+             "generator.memoryUtilization": (g.memory_utilization, [
+                 u / 100 for u in range(int(g.memory_utilization * 100) + 1, 101)]),
+             "model.dtype": (spec.model.dtype, ["bfloat16"] * (spec.model.dtype == "float32")),
+             "generator.maxSeq": (g.max_seq, range((g.max_seq - 1) // 256 * 256, 0, -256)),
+             "generator.gpusPerPod": (g.gpus_per_pod, more_gpus(g.gpus_per_pod)),
+             "generator.replicas": (g.replicas, range(g.replicas + 1, MAX_REPLICAS + 1)),
+             "generator.vllm.gpuMemoryUtilization": (v.gpu_memory_utilization, [
+                 u / 100 for u in range(int(v.gpu_memory_utilization * 100) + 1, 101)]),
+             "generator.vllm.tensorParallelSize": (v.tensor_parallel_size, [
+                 n for n in range(v.tensor_parallel_size + 1, g.ranks + 1) if shape.heads % n == 0])}
     for path in _fix_fields(spec, role):
         now, values = tried[path]
         for value in values:
             # One rank per GPU: a new gpusPerPod takes ranksPerPod with it.
-            changed = _changed(spec, {path: value, **({"trainer.ranksPerPod": None} if path == "trainer.gpusPerPod"
-                                                      else {})})
-            if changed is not None and (needed := need(changed, shape, role)) <= (
-                    allowed := allowance(changed, role, capacity)):
-                yield path, now, value, needed, allowed
+            ranks = {path.replace("gpusPerPod", "ranksPerPod"): None} if path.endswith("gpusPerPod") else {}
+            changed = _changed(spec, {path: value, **ranks})
+            limits = [] if changed is None else budgets(changed, shape, role, capacity)
+            if limits and all(b.fits for b in limits):
+                yield path, now, value, limits
                 break
 
 
 def _changed(spec: RLHFJobSpec, changes: dict[str, Any]) -> RLHFJobSpec | None:
     """The spec with these fields (dotted wire names) changed, or None when that is not a valid spec."""
-    doc = spec.model_dump(by_alias=True)
+    doc = _document(spec)
     for path, value in changes.items():
         *parents, leaf = path.split(".")
         node = doc
         for part in parents:
             node = node[part]
         node[leaf] = value
+    try:
+        return RLHFJobSpec.model_validate(doc)
+    except ValidationError:
+        return None
+
+
+def _document(spec: RLHFJobSpec) -> dict[str, Any]:
+    """The spec as its YAML would be, for a changed copy. Colocated, without the trainer's pod settings: they are
+    the generator's, and follow a changed generator."""
+    pod = {"trainer": set(COLOCATED_POD_FIELDS) | {"ranks_per_pod"}} if spec.placement == "colocated" else None
+    return spec.model_dump(by_alias=True, exclude=pod)
+
+
+def colocated_equivalent(spec: RLHFJobSpec) -> RLHFJobSpec | None:
+    """A separate job's GPUs as one colocated gang: all its GPUs (trainer and generator pods) in pods of the
+    generator's shape, on the generator's GPUs; None on CPU, when they do not make whole pods, or when that job is not
+    valid (e.g. too few responses for its trainer ranks)."""
+    t, g = spec.trainer, spec.generator
+    gpus = t.replicas * t.gpus_per_pod + g.replicas * g.gpus_per_pod
+    if spec.placement == "colocated" or not (t.gpus_per_pod and g.gpus_per_pod) or gpus % g.gpus_per_pod:
+        return None
+    doc = _document(spec.model_copy(update={"placement": "colocated"}))
+    doc["generator"]["replicas"] = gpus // g.gpus_per_pod
     try:
         return RLHFJobSpec.model_validate(doc)
     except ValidationError:

@@ -107,3 +107,35 @@ def test_bad_name_and_missing_file(tmp_path):
     (tmp_path / "broken.yaml").write_text("spec: [")
     with pytest.raises(JobSpecError, match="not valid YAML"):
         load_job(tmp_path / "broken.yaml")
+
+
+def test_colocated_is_the_default_and_the_trainer_takes_the_generator_pods_shape():
+    doc = example(placement="colocated")
+    del doc["spec"]["placement"], doc["spec"]["trainer"]
+    spec = parse_job(doc).spec
+    assert spec.placement == "colocated"
+    g = spec.generator
+    assert (spec.trainer.replicas, spec.trainer.ranks, spec.trainer.world_size) == (g.replicas, g.ranks, 2)
+    separate = example()
+    assert parse_job(separate).spec.trainer.world_size == 1  # the example's one trainer rank, on its own pod
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s["trainer"].update(replicas=2), "trainer.replicas=2 differs from generator.replicas=1"),
+    (lambda s: s["trainer"].update(ranksPerPod=1), "trainer.ranksPerPod=1 differs"),
+    (lambda s: (s["trainer"].update(gpusPerPod=8, nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}),
+                s["generator"].update(gpusPerPod=8, ranksPerPod=None,
+                                      nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H200"})),
+     "cannot select different GPU types"),
+    (lambda s: s["generator"].update(engine="vllm", adaptiveTP={"enabled": False}),
+     "spec.placement: colocated runs vLLM with its sleep mode, which needs CUDA"),
+])
+def test_colocated_refuses_what_cannot_share_the_devices(edit, message):
+    doc = example(placement="colocated")
+    edit(doc["spec"])
+    with pytest.raises(JobSpecError, match="spec.placement") as e:
+        parse_job(doc)
+    assert message in str(e.value)
+    doc["spec"]["placement"] = "separate"  # negative control: separate pods may differ
+    if "vllm" not in message:
+        parse_job(doc)

@@ -17,7 +17,7 @@ def job(**spec_edits):
     doc["spec"]["placement"] = "separate"  # trainer and generator pods; colocated_* tests set colocated
     doc["metadata"]["namespace"] = "team"
     for key, value in spec_edits.items():
-        doc["spec"][key] = {**doc["spec"].get(key, {}), **value}
+        doc["spec"][key] = {**doc["spec"].get(key, {}), **value} if isinstance(value, dict) else value
     return parse_job(doc)
 
 
@@ -204,3 +204,24 @@ def test_every_generated_hostname_and_label_value_is_valid_for_the_longest_job_n
         assert all(len(v) <= 63 and label.match(v) for v in values), p["metadata"]["labels"]
     assert builders.pod_host(j, "trainer", 0) == f"{hostnames[0]}.{name}.ns.svc"
     assert builders.fit_label("short-name") == "short-name"  # names that fit are kept as they are
+
+
+def test_a_colocated_job_runs_one_gang_of_pods_each_with_both_roles():
+    j = job(placement="colocated", generator={"replicas": 2},
+            trainer={"replicas": 2, "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                     "volumes": [{"name": "data", "emptyDir": {}}],
+                     "volumeMounts": [{"name": "data", "mountPath": "/data"}]})
+    assert builders.expected_pods(j) == [("worker", 0), ("worker", 1)]
+    pod = builders.pod(j, "uid-1", "worker", 1, 0)
+    assert pod["metadata"]["name"] == f"{j.metadata.name}-worker-1"
+    (c,) = pod["spec"]["containers"]
+    args = c["args"]
+    assert args[0] == "colocated" and args[args.index("--pod-index") + 1] == "1"
+    generators = args[args.index("--generators") + 1].split(",")
+    assert [g.split(".")[0] for g in generators] == [f"http://{j.metadata.name}-worker-{i}" for i in range(2)]
+    assert args[args.index("--master-addr") + 1].startswith(f"{j.metadata.name}-worker-0.")
+    assert {p["name"] for p in c["ports"]} == {"metrics", "http"} and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert {m["name"] for m in c["volumeMounts"]} >= {"run", "dshm", "data"} and env_of(c)["NCCL_DEBUG"] == "INFO"
+    assert {v["name"] for v in pod["spec"]["volumes"]} >= {"run", "dshm", "data"}
+    separate = job(generator={"replicas": 2})  # negative control: trainer and generator pods
+    assert builders.expected_pods(separate) == [("trainer", 0), ("generator", 0), ("generator", 1)]

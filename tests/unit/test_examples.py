@@ -38,12 +38,18 @@ SHAPES = {"llama-3.1-8b.yaml": "llama-3.1-8b", "qwen3-14b.yaml": "qwen3-14b"}
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_pat_plan_fits_the_example_on_its_gpus(path):
-    """Each example fits (pat_operator.fit's estimate) the GPUs its pods select; local.yaml runs on CPU."""
+    """Each example fits (pat_operator.fit's estimate) the GPUs its pods select; local.yaml runs on CPU. Separate:
+    a verdict per GPU role; colocated: one per phase (generate, train) of the pods' GPUs, and the placement's."""
     model = ["--model", SHAPES[path.name]] if path.name in SHAPES else []
     out = subprocess.run([str(PAT), "plan", str(path), *model], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
-    gpu_roles = sum(yaml.safe_load(path.read_text())["spec"][role].get("gpusPerPod", 1) > 0
-                    for role in ("trainer", "generator"))
+    spec = parse_job(yaml.safe_load(path.read_text())).spec
+    if spec.placement == "colocated":
+        on_gpus = spec.generator.gpus_per_pod > 0
+        assert out.stdout.count("  fits\n") == 2 * on_gpus and out.stdout.count("CPU (no GPU") == 1 - on_gpus
+        assert ("\ncolocated fits\n" in out.stdout) == on_gpus and "DOES NOT FIT" not in out.stdout
+        return
+    gpu_roles = sum(template.gpus_per_pod > 0 for template in (spec.trainer, spec.generator))
     assert out.stdout.count("  fits\n") == gpu_roles and out.stdout.count("CPU (no GPU") == 2 - gpu_roles
 
 
@@ -92,7 +98,7 @@ def test_gpu_example_pods_mount_what_the_spec_reads(path):
         (container,) = builders.pod(job, "uid", role, index, attempt=0)["spec"]["containers"]
         mounts = container["volumeMounts"]
         assert _under(s.model.path, mounts), (role, mounts)
-        if role == "trainer":
+        if role != "generator":  # a trainer pod, or a colocated pod (both roles)
             assert _under(s.dataset.path, mounts), f"the trainer reads {s.dataset.path} but mounts no volume there"
         template = s.trainer if role == "trainer" else s.generator
         assert container["resources"]["limits"]["nvidia.com/gpu"] == template.gpus_per_pod == 8

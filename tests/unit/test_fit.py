@@ -14,6 +14,7 @@ from pat_workers.cli import main as pat
 from pat_workers.engine.config import ModelConfig
 from pat_workers.engine.engine import PREFILL_TOKENS_PER_FORWARD
 from pat_workers.engine.rank import EngineOptions
+from pat_workers import weightsync
 from pat_workers.engine.tiny import random_weights
 
 ROOT = Path(__file__).parents[2]
@@ -33,7 +34,18 @@ def job(name: str = "llama-3.1-8b.yaml", **edits) -> dict:
     return doc
 
 
+# The Llama example as it was before placement: 2 generator pods and a trainer pod, of 8 H100s each.
+SEPARATE = {"placement": "separate", "generator.replicas": 2, "trainer.replicas": 1, "trainer.gpusPerPod": 8,
+            "trainer.nodeSelector": {fit.GPU_PRODUCT_LABEL: "NVIDIA-H100-80GB-HBM3"}}
+
+
 def spec(**edits):
+    """The Llama example separate (SEPARATE), with these edits."""
+    return parse_job(job(**{**SEPARATE, **edits})).spec
+
+
+def colocated(**edits):
+    """The Llama example as it is: colocated, 3 pods of 8 H100s."""
     return parse_job(job(**edits)).spec
 
 
@@ -221,16 +233,26 @@ def test_no_single_change_fits():
 
 
 def test_the_start_up_check_on_cpu():
-    """The trainer's check at start: MemAvailable over the host's ranks (here the tiny demo's need per rank)."""
+    """The trainer's check at start: MemAvailable over the host's ranks (here the tiny demo's need per rank). Its
+    own need with role trainer; by default in a colocated job (local.yaml) the device's, both ranks in both phases."""
     s = parse_job(yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())).spec
     shape = fit.tiny_shape("demo")
     need = fit.trainer_memory(s, shape).total
-    assert fit.check_free(s, shape, free_bytes=need / 0.9 + 1) is None
-    message = fit.check_free(s, shape, free_bytes=need, device="cpu")
+    assert fit.check_free(s, shape, free_bytes=need / 0.9 + 1, role="trainer") is None
+    message = fit.check_free(s, shape, free_bytes=need, role="trainer", device="cpu")
     assert message.startswith(f"spec.algorithm.maxTokensPerMicroBatch: a trainer rank of tiny llama demo needs "
                               f"{fit.gib(need)} per rank with maxTokensPerMicroBatch="
                               f"{s.algorithm.max_tokens_per_micro_batch}, more than the "
                               f"{fit.gib(need * 0.9)} usable of the {fit.gib(need)} free on cpu (10% kept free)")
+    assert s.placement == "colocated"
+    # Enough for the trainer rank alone, not for the engine rank beside it (its weights in both phases).
+    generate, train = fit.budgets(s, shape, "colocated", need / 0.9 + 1)
+    assert not (train.fits or generate.fits)
+    message = fit.check_free(s, shape, free_bytes=need / 0.9 + 1, device="cpu")
+    assert message.startswith("spec.") and (f"a rank of colocated tiny llama demo (a trainer rank and an engine rank) "
+                                            f"needs {fit.gib(generate.need)} to generate (resident ") in message
+    assert f"; and {fit.gib(train.need)} to train (resident " in message
+    assert fit.check_free(s, shape, free_bytes=max(generate.need, train.need) / 0.9 + 1) is None
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -241,7 +263,7 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 
 def test_pat_plan_and_validate_refuse_a_job_that_does_not_fit_and_accept_it_on_more_gpus(tmp_path, capsys):
     """A tiny preset of Llama-3.1-8B's shape: pat validate knows the shape too, and the node label names the GPU."""
-    doc = job("local.yaml")
+    doc = job("local.yaml", placement="separate")
     h100 = {fit.GPU_PRODUCT_LABEL: "NVIDIA-H100-80GB-HBM3"}
     doc["spec"]["model"] = {"tiny": {"preset": "llama-8b"}, "dtype": "bfloat16"}
     doc["spec"]["generator"] = {"gpusPerPod": 2, "maxSeq": doc["spec"]["generator"]["maxSeq"], "nodeSelector": h100}
@@ -260,6 +282,11 @@ def test_pat_plan_and_validate_refuse_a_job_that_does_not_fit_and_accept_it_on_m
             assert err == verr == "" and out.count("fits") == 2
 
 
+def separate_example(tmp_path: Path) -> Path:
+    (tmp_path / "separate.yaml").write_text(yaml.safe_dump(job(**SEPARATE)))
+    return tmp_path / "separate.yaml"
+
+
 def test_pat_plan_names_what_it_lacks(capsys):
     example = str(ROOT / "examples" / "llama-3.1-8b.yaml")
     code, _, err = run(capsys, "plan", example)
@@ -275,8 +302,7 @@ def test_pat_plan_names_what_it_lacks(capsys):
 def test_pat_plan_reads_a_config_json_and_the_gpu_flag(tmp_path, capsys):
     config = fit.hf_config("qwen3", **fit.PRESETS["bench"])  # max_position_embeddings 8192: below maxSeq
     (tmp_path / "config.json").write_text(json.dumps(config))
-    argv = ["plan", str(ROOT / "examples" / "llama-3.1-8b.yaml"), "--model-config", str(tmp_path / "config.json"),
-            "--gpu", "L40S"]
+    argv = ["plan", str(separate_example(tmp_path)), "--model-config", str(tmp_path / "config.json"), "--gpu", "L40S"]
     code, _, err = run(capsys, *argv)
     assert code == 2 and err.endswith("does not fit:\n  spec.generator.maxSeq: generator.maxSeq=9216 is beyond the "
                                       "model's max_position_embeddings=8192; lower generator.maxSeq to 8192 or less\n")
@@ -288,17 +314,38 @@ def test_pat_plan_reads_a_config_json_and_the_gpu_flag(tmp_path, capsys):
 
 
 def test_pat_plan_says_how_many_sequences_the_kv_cache_holds(capsys, tmp_path):
-    example = ROOT / "examples" / "llama-3.1-8b.yaml"
+    example = separate_example(tmp_path)
     code, out, _ = run(capsys, "plan", str(example), "--model", "llama-3.1-8b")
-    assert code == 0 and out.splitlines()[-2:] == [
+    assert code == 0 and out.splitlines()[-3:] == [
         "  total                                           71.7 GiB  fits",
         ("  KV cache per GPU: 406,048 tokens, 44 concurrent sequences of maxSeq=9216 (all that memoryUtilization "
-         "leaves room for; maxBatch=128)")]
+         "leaves room for; maxBatch=128)"),
+        ("colocated on the same 24 GPUs (3 pods x 8) would fit: 39 sequences of maxSeq per GPU's KV cache while "
+         "generating, train 33.2 GiB of 71.7 GiB while training")]
     capped = tmp_path / "capped.yaml"
     capped.write_text(example.read_text().replace("maxBatch: 128", "maxBatch: 16"))
     code, out, _ = run(capsys, "plan", str(capped), "--model", "llama-3.1-8b")
-    assert code == 0 and out.endswith("KV cache per GPU: 147,456 tokens, 16 concurrent sequences of maxSeq=9216 "
-                                      "(maxBatch; memoryUtilization leaves room for 45)\n")
+    assert code == 0 and ("KV cache per GPU: 147,456 tokens, 16 concurrent sequences of maxSeq=9216 (maxBatch; "
+                          "memoryUtilization leaves room for 45)\n") in out
+
+
+def test_pat_plan_on_a_colocated_job_prints_both_phases(capsys):
+    """The example as it is: one H100 of the 3 colocated pods, resident (the trainer's states and the engine's
+    weights), each phase's working set, each phase against its limit, the KV cache and the placement's verdict."""
+    code, out, _ = run(capsys, "plan", str(ROOT / "examples" / "llama-3.1-8b.yaml"), "--model", "llama-3.1-8b")
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[1] == ("colocated: 3 pods x 8 GPUs, each GPU a trainer rank (FSDP2 over 24, micro-batches of 16384 "
+                        "tokens) and an engine rank")
+    assert "    AdamW moments (fp32, 1/24)                           2.5 GiB" in lines
+    assert "    engine weights (bfloat16, the whole model)          15.0 GiB" in lines
+    assert lines[-5:] == [
+        "  resident                                              19.9 GiB",
+        "  generate: resident + its working set                  71.7 GiB of 71.7 GiB  fits",
+        "  train: resident + its working set                     33.2 GiB of 71.7 GiB  fits",
+        ("  KV cache per GPU: 368,240 tokens, 39 concurrent sequences of maxSeq=9216 (all that memoryUtilization "
+         "leaves room for; maxBatch=128)"),
+        "colocated fits"]
 
 
 def test_pat_validate_refuses_a_max_seq_beyond_the_models_positions(tmp_path, capsys):
@@ -315,3 +362,111 @@ def test_pat_validate_refuses_a_max_seq_beyond_the_models_positions(tmp_path, ca
     doc["spec"]["generator"]["maxSeq"] = 32768
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
     assert run(capsys, "validate", str(tmp_path / "job.yaml"))[:2] == (0, "RLHFJob arithmetic-grpo: valid\n")
+
+
+# --- placement colocated -----------------------------------------------------------------------------------------
+
+P = 8_030_261_248  # Llama-3.1-8B's parameters
+
+
+def test_trainer_resident_bytes_with_and_without_cpu_offload():
+    """What a trainer rank keeps on its GPU between phases: its 1/24 of the fp32 parameters (4), AdamW's moments (8)
+    and the reference (4); not the gradients, which training frees; nothing with cpuOffload."""
+    assert fit.trainer_resident_bytes(colocated(), LLAMA) == 16 * P / 24
+    assert fit.trainer_resident_bytes(colocated(**{"algorithm.klCoef": 0.0}), LLAMA) == 12 * P / 24
+    assert fit.trainer_resident_bytes(colocated(**{"trainer.cpuOffload": True}), LLAMA) == 0
+    # The states trainer_memory counts, less the gradients; separate too (FSDP2 over the trainer's 8 GPUs).
+    sharded = {label: b for label, b in fit.trainer_memory(spec(), LLAMA).terms if label.endswith("(fp32, 1/8)")}
+    assert fit.trainer_resident_bytes(spec(), LLAMA) == sum(sharded.values()) - sharded["gradients (fp32, 1/8)"]
+
+
+def test_a_colocated_gpu_by_phase():
+    """One H100 of the example: resident, the trainer's states and the engine's weights; generating, the engine's
+    working memory and the KV cache, which gets what memoryUtilization leaves after the trainer's resident states
+    (39 sequences, 44 separate); training, the gradients and the trainer's buffers and a weight-sync bucket."""
+    s = colocated()
+    m = fit.colocated_memory(s, LLAMA, H100)
+    resident, weights = 16 * P / 24, 2 * P
+    working = 9216 * 200_832 + 3 * 4 * 128 * 8 * 128256
+    assert m.resident_bytes == resident + weights and dict(m.resident)["engine weights (bfloat16, the whole model)"]
+    room = int((0.9 * H100 - weights - working - resident) / (2 * MIB * 1.08))
+    assert fit.kv_blocks(s, LLAMA, H100) == (room, room) and room // 576 == 39
+    assert fit.kv_blocks(spec(), LLAMA, H100)[0] // 576 == 44  # negative control: separate, no trainer beside
+    assert m.generate[1] == ("engine KV cache (39 x 9216 tokens)", room * 2 * MIB)
+    assert m.generate_bytes == pytest.approx(resident + weights + working + 1.08 * room * 2 * MIB)
+    assert m.generate_bytes <= 0.9 * H100
+    buffers = fit.trainer_memory(s, LLAMA).total - sum(b for label, b in fit.trainer_memory(s, LLAMA).terms
+                                                       if "1/24" in label)
+    assert m.train_bytes == pytest.approx(resident + weights + 4 * P / 24 + buffers + 256 * MIB)
+    assert m.train_bytes / GIB == pytest.approx(33.2, abs=0.05)
+    assert fit.WEIGHT_SYNC_BUCKET_BYTES == weightsync.BUCKET_BYTES
+
+
+def test_the_phases_alternate_so_the_larger_one_counts():
+    """The example fits because the engine releases its KV cache for training: held through training, the cache
+    and the trainer's working set together would be over the usable memory."""
+    s = colocated()
+    m = fit.colocated_memory(s, LLAMA, H100)
+    assert fit.problems(s, LLAMA, fit.role_gpus(s)) == [] and fit.role_gpus(s) == {"colocated": fit.GPUS["H100-SXM"]}
+    assert max(m.generate_bytes, m.train_bytes) <= fit.usable(H100)
+    not_released = m.resident_bytes + sum(b for _, b in m.generate) + sum(b for _, b in m.train)
+    assert not_released > fit.usable(H100)  # 85 GiB of 71.7
+
+
+def test_a_colocated_job_that_does_not_fit_names_the_field_and_the_numbers_of_each_phase():
+    """One pod of 2 GPUs: the trainer's states over 2 ranks are 59.8 GiB a GPU, resident in both phases."""
+    s = colocated(**{"generator.replicas": 1, "generator.gpusPerPod": 2})
+    (message,) = fit.problems(s, LLAMA, fit.role_gpus(s))
+    assert message == (
+        "spec.generator.gpusPerPod: with gpusPerPod=2, a GPU of colocated llama-3.1-8b (a trainer rank and an engine "
+        "rank) needs 78.1 GiB to generate (resident 74.8 GiB: the trainer's states 59.8 GiB, the engine's weights "
+        "15.0 GiB; the engine's working memory and the KV cache of one sequence of 9216 tokens 3.3 GiB), more than "
+        "the 71.7 GiB that memoryUtilization=0.9 allows of an H100-SXM's 79.6 GiB; and 101.8 GiB to train (resident "
+        "74.8 GiB: the trainer's states 59.8 GiB, the engine's weights 15.0 GiB; gradients, activations and buffers "
+        "27.0 GiB), more than the 71.7 GiB usable of an H100-SXM's 79.6 GiB (10% kept free); with gpusPerPod=4: "
+        "generate 48.5 GiB of 71.7 GiB, train 64.4 GiB of 71.7 GiB; also fits: generator.replicas=2 (generate "
+        "48.2 GiB of 71.7 GiB, train 64.4 GiB of 71.7 GiB), trainer.cpuOffload=true (generate 18.3 GiB of 71.7 GiB, "
+        "train 27.0 GiB of 71.7 GiB)")
+    # The train phase alone: generating fits, and the message says so.
+    (message,) = fit.problems(colocated(**{"trainer.activationCheckpointing": False}), LLAMA, fit.role_gpus(s))
+    assert message.startswith("spec.trainer.activationCheckpointing: with activationCheckpointing=false, a GPU of "
+                              "colocated llama-3.1-8b (a trainer rank and an engine rank) needs 24.3 GiB to generate")
+    assert "within the 71.7 GiB that memoryUtilization=0.9 allows" in message
+    assert "to train (resident 19.9 GiB: the trainer's states 5.0 GiB, the engine's weights 15.0 GiB; " in message
+    assert message.endswith("with activationCheckpointing=true: generate 24.3 GiB of 71.7 GiB, train 33.2 GiB of "
+                            "71.7 GiB")
+
+
+def test_pat_validate_and_plan_refuse_a_colocated_job_that_does_not_fit(tmp_path, capsys):
+    """A tiny preset of Llama-3.1-8B's shape on one colocated pod of H100s: 2 GPUs are too few (separate they would
+    do), 8 fit."""
+    doc = job("local.yaml", placement="colocated")
+    doc["spec"]["model"] = {"tiny": {"preset": "llama-8b"}, "dtype": "bfloat16"}
+    doc["spec"]["trainer"] = {}
+    doc["spec"]["generator"] = {"gpusPerPod": 2, "maxSeq": doc["spec"]["generator"]["maxSeq"],
+                                "nodeSelector": {fit.GPU_PRODUCT_LABEL: "NVIDIA-H100-80GB-HBM3"}}
+    for gpus, code in ((2, 2), (8, 0)):
+        doc["spec"]["generator"]["gpusPerPod"] = gpus
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+        planned, out, err = run(capsys, "plan", str(tmp_path / "job.yaml"))
+        validated, _, verr = run(capsys, "validate", str(tmp_path / "job.yaml"))
+        assert (planned, validated) == (code, code), err + verr
+        if code:
+            assert "job.yaml does not fit:\n  spec.generator.gpusPerPod: with gpusPerPod=2, a GPU of colocated " in err
+            assert err.split("\n", 1)[1] == verr.split("\n", 1)[1]  # the same message
+            # Training over 2 ranks beside the engine's weights is over; each role on GPUs of its own is not.
+            assert out.splitlines()[-1] == ("colocated does not fit: train 78.8 GiB of 71.7 GiB; separate (the trainer "
+                                            "on 2 GPUs of its own) would: trainer 63.6 GiB of 71.7 GiB, generator "
+                                            "15.9 GiB of 71.7 GiB")
+        else:
+            assert err == verr == "" and out.endswith("\ncolocated fits\n")
+
+
+def test_a_separate_job_as_colocated_on_the_same_gpus():
+    """Its 24 GPUs as 3 pods of the generator's 8; GPUs that do not make whole pods, or CPU pods: none."""
+    colocated_spec = fit.colocated_equivalent(spec())
+    assert colocated_spec.placement == "colocated" and colocated_spec.generator.replicas == 3
+    assert colocated_spec.trainer.world_size == 24 and colocated_spec.trainer.replicas == 3
+    assert fit.budgets(colocated_spec, LLAMA, "colocated", H100) == fit.budgets(colocated(), LLAMA, "colocated", H100)
+    assert fit.colocated_equivalent(spec(**{"trainer.gpusPerPod": 4})) is None  # 20 GPUs: not whole pods of 8
+    assert fit.colocated_equivalent(colocated()) is None

@@ -10,10 +10,11 @@ import pytest
 import yaml
 
 from pat_operator import planner
+from pat_operator.api import parse_job
 from pat_operator.fit import GPU, GPUS, SHAPES, ModelShape
 from pat_workers.cli import main as pat
 from pat_workers.revision import ENGINE_REVISION
-from pat_workers.sim import command
+from pat_workers.sim import command, placement
 from pat_workers.sim import simulate as sim
 from pat_workers.sim.report import compare, headline, summary
 from pat_workers.sim.hardware import (ENGINE_PROFILE, Efficiency, EngineCosts, Measured, OtherEngine, Roofline,
@@ -351,3 +352,75 @@ def test_no_results_of_the_replaced_engine_are_left():
         assert "commit" in d, path
         if "decode" in d:
             hardware(str(path), SHAPES["llama-3.1-8b"], Efficiency())  # OtherEngine if not of this revision
+
+
+# --- placement: colocated and separate at the same GPU count ------------------------------------------------------
+
+def test_placements_at_the_same_gpus_on_the_paper_preset(tmp_path, capsys, checkout):
+    """paper-llama8b's setup (one generator pod, 8 trainer GPUs: separate, as before) against its 16 GPUs colocated:
+    2 pods generate half the batch each, all 16 train (half the time), and the switch between phases is added."""
+    code, out, _ = run_pat(["--preset", "paper-llama8b", "--placement", "both", "--out", str(tmp_path)], capsys)
+    assert code == 0, out
+    result = json.loads(out.strip().splitlines()[-1])
+    separate, colocated = result["placements"]["separate"], result["placements"]["colocated"]
+    planner = result["policies"]["planner (pod)"]
+    # Separate is the preset as before (docs/simulate.md: 74.40 s generation, 72.78 s training).
+    assert result["placement"] == "separate" and result["train_seconds"] == pytest.approx(72.78, abs=0.005)
+    assert separate["generation_seconds"] == planner["generation_seconds"] == pytest.approx(74.40, abs=0.005)
+    assert separate["iteration_seconds"] == planner["iteration_seconds"] and separate["switch_seconds"] == 0
+    assert (separate["gpus"], colocated["gpus"], colocated["generator_pods"], colocated["trainer_gpus"]) == (16, 16, 2,
+                                                                                                           16)
+    assert colocated["train_seconds"] == pytest.approx(separate["train_seconds"] / 2, abs=1e-3)
+    weights = SHAPES["llama-3.1-8b"].params * 2
+    handover = weights * 15 / 16 / placement.NETWORK_BYTES_PER_S + 2 * weights / GPUS["H200"].hbm_bytes_per_s
+    assert colocated["switch_seconds"] == pytest.approx(placement.MEMORY_SWITCH_SECONDS + handover, abs=1e-3)
+    assert colocated["generation_seconds"] < 0.8 * separate["generation_seconds"]  # 512 responses per pod, not 1024
+    ratio = result["colocated_over_separate_iteration"]
+    assert ratio == pytest.approx(colocated["iteration_seconds"] / separate["iteration_seconds"], abs=1e-4)
+    assert ratio < 0.7 and f"colocated / separate iteration: {ratio:.3f}" in out
+
+
+def test_placements_of_a_job_at_its_gpu_count(tmp_path, capsys):
+    """The Llama example, colocated on 3 pods of 8 H100s, against 2 generator pods and a trainer pod of the same."""
+    code, out, _ = run_pat([str(ROOT / "examples" / "llama-3.1-8b.yaml"), "--model", "llama-3.1-8b", "--placement",
+                            "both", "--out", str(tmp_path)], capsys)
+    assert code == 0, out
+    result = json.loads(out.strip().splitlines()[-1])
+    separate, colocated = result["placements"]["separate"], result["placements"]["colocated"]
+    assert result["placement"] == "colocated" and result["gpus"] == 24 and "placements at 24 GPUs" in out
+    assert (separate["generator_pods"], separate["trainer_gpus"], colocated["generator_pods"]) == (2, 8, 3)
+    assert separate["train_seconds"] == pytest.approx(3 * colocated["train_seconds"], abs=1e-3)  # the same tokens
+    assert colocated["generation_seconds"] < separate["generation_seconds"]  # 352 responses per pod, not 512
+    assert result["colocated_over_separate_iteration"] < 0.7
+    assert result["switch_seconds"] == colocated["switch_seconds"] > placement.MEMORY_SWITCH_SECONDS
+
+
+def test_colocated_gpus_keep_the_trainers_states_beside_the_kv_cache():
+    """The trainer rank's resident states take their part of a colocated GPU: less KV cache in the GPU model."""
+    shape = ModelShape("toy", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=100)
+    gpu = GPU("toy", memory_bytes=shape.params * 2 + 52 * shape.kv_bytes_per_token(), hbm_bytes_per_s=1e12,
+              bf16_flops=1e15, link_bytes_per_s=1e11, link_latency_s=1e-5, source="test")
+    alone = Roofline(gpu, shape, Efficiency(memory_reserve=0.0))
+    beside = Roofline(gpu, shape, Efficiency(memory_reserve=0.0), reserved_bytes=20 * shape.kv_bytes_per_token())
+    assert (alone.kv_capacity(1), beside.kv_capacity(1)) == (52, 32)
+    # A separate job's GPUs colocated: the trainer's states over all 24 GPUs (fit.trainer_resident_bytes).
+    doc = yaml.safe_load((ROOT / "examples" / "llama-3.1-8b.yaml").read_text())
+    doc["spec"].update(placement="separate")
+    doc["spec"]["generator"]["replicas"] = 2
+    doc["spec"]["trainer"].update(replicas=1, gpusPerPod=8)
+    placements, none = placement.job_placements(parse_job(doc).spec, SHAPES["llama-3.1-8b"])
+    assert none == {} and placements["separate"] == placement.Placement("separate", 2, 8, 8)
+    resident = 16 * SHAPES["llama-3.1-8b"].params / 24  # fp32 parameters, AdamW's moments, the reference
+    assert placements["colocated"] == placement.Placement("colocated", 3, 8, 24, resident)
+    # Within one pod the hand-over is over NVLink, not the network.
+    one_pod = placement.Placement("colocated", 1, 8, 8)
+    weights = SHAPES["llama-3.1-8b"].params * 2
+    assert placement.handover_seconds(SHAPES["llama-3.1-8b"], GPUS["H200"], one_pod) == pytest.approx(
+        weights * 7 / 8 / (0.8 * GPUS["H200"].link_bytes_per_s) + 2 * weights / GPUS["H200"].hbm_bytes_per_s)
+
+
+def test_a_placement_without_a_split_at_the_gpu_count_is_refused(capsys):
+    """local.yaml is one colocated pod: separate needs a trainer pod and a generator pod."""
+    code, _, err = run_pat([str(ROOT / "examples" / "local.yaml"), "--placement", "separate"], capsys)
+    assert code == 2 and err == ("pat simulate: --placement separate: one pod has no separate split of its GPUs (a "
+                                 "trainer pod and a generator pod take two); use --placement colocated\n")

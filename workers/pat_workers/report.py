@@ -13,9 +13,10 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pat_operator import metric_names as names
 from pat_operator.api import RLHFJob
 
-PHASES = ("generate", "reward", "train", "sync", "checkpoint")
+PHASES = names.TRAINER_PHASES
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -147,7 +147,10 @@ def main(argv: list[str]) -> int:
         print(f"{setup.no_engine_profile}\n", flush=True)
     out = args.out or Path("runs") / f"simulate-{time.strftime('%Y%m%d-%H%M%S')}"
     gpu_modelled = isinstance(costs, Roofline) and costs.efficiency == calibration.gpu_model
-    about = setup.about | {"model": shape.name, "trainer": trainer.describe(), "placement": name,
+    # A job's batch is one pod's share of the iteration, in this placement
+    share = ({"rollout_batch": f"{len(lengths) // setup.samples} prompts x {setup.samples} samples per pod"}
+             if "job" in setup.about else {})
+    about = setup.about | share | {"model": shape.name, "trainer": trainer.describe(), "placement": name,
                            "generator_pods": placement.pods, "gpus": placement.gpus,
                            # of the GPU model's fit (docs/cost-model.md); none for a measured profile
                            "holdout_error": round(calibration.holdout_error, 4) if gpu_modelled else None}
@@ -310,8 +313,7 @@ def _from_job(args: argparse.Namespace, gpu_model: Efficiency) -> Setup:
                         margin=adaptive.min_gain, guard=not args.no_guard,
                         cooldown_steps=adaptive.cooldown_steps, query_interval=adaptive.prometheus.query_interval,
                         cooldown_seconds=adaptive.cooldown_seconds, plan_seconds=args.plan_seconds)
-    about = {"job": job.metadata.name, "rollout_batch": f"{n // alg.samples_per_prompt} prompts x "
-             f"{alg.samples_per_prompt} samples per pod", "adaptive_tp_enabled": gen.adaptive}
+    about = {"job": job.metadata.name, "adaptive_tp_enabled": gen.adaptive}
     verl_tp = VERL_ROLLOUT_TP if VERL_ROLLOUT_TP in tp_sizes else None
     placements, not_placed = job_placements(spec, shape)
     return Setup(scenario, shape, costs, spec.placement, placements, alg.prompts_per_iteration,

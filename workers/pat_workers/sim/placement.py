@@ -92,7 +92,7 @@ def job_placements(spec: RLHFJobSpec, shape: ModelShape) -> tuple[dict[str, Plac
     pods = own.gpus // g.ranks
     colocated = colocated_equivalent(spec)
     resident = (trainer_resident_bytes(colocated, shape) if colocated is not None
-                else sharded_state_bytes(shape, own.gpus, spec.algorithm.kl_coef > 0))  # CPU pods
+                else sharded_state_bytes(shape, own.gpus, spec.algorithm.kl_coef > 0))  # CPU, or a spec it refuses
     return {"separate": own, "colocated": Placement("colocated", pods, g.ranks, own.gpus, resident)}, {}
 
 

@@ -1,0 +1,118 @@
+"""Placement colocated at the pod: this test process stands for the trainer ranks on the pod's two devices. Weights
+are handed over inside the pod (weightsync.DeviceSender, one per device, to the engine rank of that device) with no
+weight-sync group; between batches the pod sleeps (its ranks give back their KV pools) and wakes up, round after
+round, without its memory growing."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pat_workers.engine.loader import load_weights
+from pat_workers.engine.tiny import random_weights
+from pat_workers.weightsync import DeviceSender, WeightSyncError, handover_address
+
+from .conftest import MODEL_SEED, TOKEN, Pod, Reference, long_tailed, mismatched
+from .test_weights import _wait_version
+
+MIB = 1 << 20
+POOL_BYTES = 64 * MIB  # each rank's KV pool in the memory test: above glibc's largest mmap threshold
+
+
+def hand_over(senders: list[DeviceSender], weights: dict[str, torch.Tensor], version: int) -> list[BaseException]:
+    """Both devices' trainer ranks hand over at once, as the trainer's ranks do; returns what each raised."""
+    errors: list[BaseException] = []
+
+    def one(sender: DeviceSender) -> None:
+        try:
+            sender.send({n: t.shape for n, t in weights.items()}, sorted(weights.items()), version,
+                        agree=lambda refused: int(refused), bucket_bytes=64 << 10)  # many buckets
+        except BaseException as e:  # noqa: BLE001 -- reported to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in senders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return errors
+
+
+def test_weights_handed_over_inside_the_pod_change_what_it_generates_with_no_weight_sync_group(
+        operator_pod, model_dir, reference, monkeypatch):
+    def no_group(*args, **kwargs):
+        raise AssertionError("a weight-sync group was created: the hand-over must not use the network")
+
+    for name in ("TCPStore", "ProcessGroupGloo", "PrefixStore"):  # what a weight-sync group is built from
+        monkeypatch.setattr(dist, name, no_group)
+    pod, address = operator_pod, handover_address(TOKEN)
+    senders = [DeviceSender(address, rank, TOKEN) for rank in range(2)]
+    new_weights = random_weights(json.loads((model_dir / "config.json").read_text()), seed=MODEL_SEED + 2)
+    requests = long_tailed(6, long=30, tag="colocated")
+    new_reference = Reference(model_dir, new_weights)(requests)
+    v = pod.state()["policy_version"]
+    try:
+        # A round for the wrong version is refused by both ranks before a byte moves: the pod keeps its weights.
+        pod.ok("POST", "/v1/weights", {"version": v + 1, "transport": "device", "address": address}, 202)
+        errors = hand_over(senders, new_weights, v + 2)
+        assert len(errors) == 2 and all(isinstance(e, WeightSyncError) for e in errors), errors
+        assert "expects version" in str(errors[0])
+        assert pod.state()["policy_version"] == v
+        old = pod.generate("colocated-old", requests, v)
+        assert mismatched(old, new_reference) != []  # negative control: the old weights generate otherwise
+
+        pod.ok("POST", "/v1/weights", {"version": v + 1, "transport": "device", "address": address}, 202)
+        assert hand_over(senders, new_weights, v + 1) == []
+        _wait_version(pod, v + 1)
+        completions = pod.generate("colocated-new", requests, v + 1)
+        assert mismatched(completions, new_reference) == []
+    finally:  # the shared pod goes back to the model directory's weights for the tests after this one
+        pod.ok("POST", "/v1/weights", {"version": v + 2, "transport": "device", "address": address}, 202)
+        assert hand_over(senders, load_weights(model_dir, torch.float32), v + 2) == []
+        _wait_version(pod, v + 2)
+        for s in senders:
+            s.close()
+    assert mismatched(pod.generate("colocated-back", requests, v + 2), reference(requests)) == []
+
+
+@pytest.fixture(scope="module")
+def sleepy_pod(model_dir, tmp_path_factory):
+    """A pod whose ranks each hold a 64 MiB KV pool (long enough sequences that maxBatch does not cap it)."""
+    pod = Pod("sleepy", model_dir, tmp_path_factory.mktemp("sleepy-pod"), "--controller", "operator",
+              "--kv-cache-bytes", str(POOL_BYTES), "--max-seq", "8192", "--max-batch", "16",
+              env={"PAT_JOB_TOKEN": TOKEN})
+    try:
+        pod.wait_ready()
+        yield pod
+    finally:
+        assert pod.stop() == 0
+
+
+def test_a_sleeping_pod_gives_its_kv_pools_back_and_takes_them_again_round_after_round(sleepy_pod, reference):
+    """Ten rounds of generate, sleep, wake up: each sleep gives back (nearly) the whole pool of each rank, as the
+    ranks' resident memory shows, and the memory a rank holds awake does not grow. Asleep, the pod takes no batch;
+    awake, it generates the same tokens as before."""
+    pod = sleepy_pod
+    requests = long_tailed(4, long=20, tag="sleep")
+    expected = reference(requests)
+    held, released = [], []
+    for i in range(10):
+        assert mismatched(pod.generate(f"sleep-{i}", requests, pod.state()["policy_version"]), expected) == []
+        asleep = pod.ok("POST", "/v1/sleep")
+        assert asleep["memory"] == "released" and len(asleep["memory_bytes"]) == 2
+        status, reply = pod.call("POST", "/v1/rollouts", {"batch_id": f"asleep-{i}", "policy_version": 0,
+                                                          "requests": requests})
+        assert status == 409 and "POST /v1/wake_up" in reply["error"], reply
+        awake = pod.ok("POST", "/v1/wake_up")
+        assert awake["memory"] == "held"
+        released.append(asleep["memory_bytes"])
+        held.append(awake["memory_bytes"])
+    for rank in range(2):
+        freed = [h[rank] - r[rank] for h, r in zip(held, released)]
+        assert min(freed) > 0.9 * POOL_BYTES, f"rank {rank} freed {[f >> 20 for f in freed]} MiB"
+        growth = max(h[rank] for h in held) - held[0][rank]
+        assert growth < 16 * MIB, f"rank {rank}: held memory grew {growth >> 20} MiB over 10 rounds"
