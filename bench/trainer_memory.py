@@ -42,6 +42,7 @@ def job_spec(model_dir: Path, world: int, gpus: bool, micro_batch_tokens: int, c
     """A job training `model_dir` on `world` ranks of one pod (one per GPU with `gpus`), one optimizer step per
     iteration, no reference policy: what the fit check is given and what train_iteration runs (spec.algorithm)."""
     return RLHFJobSpec.model_validate({
+        "placement": "separate",  # the trainer rank alone on its device
         "model": {"path": str(model_dir)}, "dataset": {"synthetic": {}},
         "algorithm": {"miniBatches": 1, "maxTokensPerMicroBatch": micro_batch_tokens,
                       "maxResponseTokens": micro_batch_tokens // 2},

@@ -528,6 +528,10 @@ class RLHFJobSpec(_Model):
         if g.engine == "vllm" and not g.gpus_per_pod:
             raise ValueError("spec.placement: colocated runs vLLM with its sleep mode, which needs CUDA: on CPU "
                              "(generator.gpusPerPod: 0) set spec.placement: separate")
+        if g.engine == "vllm":
+            raise ValueError("spec.placement: colocated with generator.engine: vllm needs vLLM's sleep mode and a "
+                             "weight hand-over into its workers through the device, which this version does not "
+                             "have yet (docs/placement.md): set spec.placement: separate")
         theirs, ours = t.node_selector.get(GPU_PRODUCT_LABEL), g.node_selector.get(GPU_PRODUCT_LABEL)
         if "node_selector" in t.model_fields_set and theirs != ours:
             raise ValueError(f"spec.placement: colocated puts both roles on the same GPUs, so they cannot select "

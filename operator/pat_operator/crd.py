@@ -101,16 +101,22 @@ def _value(path: str, model: type[BaseModel] = api.RLHFJobSpec) -> str:
 
 
 def _trainer_world_rule() -> str:
-    """responses >= miniBatches x trainer.world_size, where a trainer pod's ranks are ranksPerPod, else gpusPerPod
-    when above 0, else 1 (Trainer.ranks), as two cases."""
+    """responses >= miniBatches x trainer.world_size, where a pod's ranks are ranksPerPod, else gpusPerPod when above
+    0, else 1 (Trainer.ranks), as two cases; colocated, the trainer's pods are the generator's (a rank beside each
+    engine rank: generator.ranksPerPod, else gpusPerPod)."""
     responses = "self.algorithm.promptsPerIteration * self.algorithm.samplesPerPrompt"
     shares = f"self.algorithm.miniBatches * {_value('trainer.replicas')}"
     ranks_set = "has(self.trainer) && has(self.trainer.ranksPerPod)"
     # gpusPerPod's default is 1 rank too
     gpus = ("(has(self.trainer) && has(self.trainer.gpusPerPod) && self.trainer.gpusPerPod > 0 ? "
             "self.trainer.gpusPerPod : 1)")
-    return (f"(!({ranks_set}) || {responses} >= {shares} * self.trainer.ranksPerPod) && "
-            f"({ranks_set} || {responses} >= {shares} * {gpus})")
+    separate = (f"(!({ranks_set}) || {responses} >= {shares} * self.trainer.ranksPerPod) && "
+                f"({ranks_set} || {responses} >= {shares} * {gpus})")
+    engine_shares = f"self.algorithm.miniBatches * {_value('generator.replicas')}"
+    engine_ranks_set = "has(self.generator) && has(self.generator.ranksPerPod)"
+    colocated = (f"(!({engine_ranks_set}) || {responses} >= {engine_shares} * self.generator.ranksPerPod) && "
+                 f"({engine_ranks_set} || {responses} >= {engine_shares} * {_value('generator.gpusPerPod')})")
+    return f"({_value('placement')} == 'colocated' ? ({colocated}) : ({separate}))"
 
 
 def _divides_ranks(tp: str) -> str:

@@ -306,7 +306,7 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
                  f"a regroup plan is in flight to {', '.join(obs.regrouping)}" if obs.regrouping else
                  "no regroup plan in flight")
     generators = [obs.generators.get(name) or _previous(status, name)
-                  for name in expected if expected[name][0] == "generator"]
+                  for name in expected if builders.serves(expected[name][0], "generator")]
     book.events += [e for g in generators if (e := queue_event(_previous(status, g.pod), g, spec.generator.engine))]
     book.fields["generators"] = [g.model_dump(by_alias=True, exclude_none=True) for g in generators]
     return book.decision(ensure=ensure, create_pods=create, wake_after=wake_after)

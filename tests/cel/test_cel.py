@@ -287,6 +287,7 @@ IMMUTABLE_EDITS: dict[str, Any] = {
     "dataset": {"synthetic": {"kind": "arithmetic", "size": 256, "seed": 0, "maxOperand": 9}},
     "reward": DELETE,  # set before
     "algorithm": {**example()["spec"]["algorithm"], "learningRate": 0.01},
+    "placement": "separate",
     "trainer": {"replicas": 2, "gpusPerPod": 0},
     "generator": edited(example(), {"spec.generator.adaptiveTP.minGain": 0.5})["spec"]["generator"],
     "checkpoint": {"everyIterations": 5, "keep": 3},
@@ -485,17 +486,20 @@ def test_server_pattern_reads_the_crd_lines(expected, refusal):
 
 # --- cross-field rules that count ranks as the models do -----------------------------------------------------------
 
-@pytest.mark.parametrize("trainer, prompts", [
-    ({"gpusPerPod": 0, "ranksPerPod": 4}, 4),  # ranksPerPod counts on CPU
-    ({"gpusPerPod": 8}, 8),  # one rank per GPU, replicas left at 1
-    ({"replicas": 2}, 2),  # gpusPerPod left at 1
-    ({"replicas": 3, "gpusPerPod": 0}, 3),  # no GPU: one rank per pod
+@pytest.mark.parametrize("placement, pods, prompts", [
+    ("separate", {"spec.trainer": {"gpusPerPod": 0, "ranksPerPod": 4}}, 4),  # ranksPerPod counts on CPU
+    ("separate", {"spec.trainer": {"gpusPerPod": 8}}, 8),  # one rank per GPU, replicas left at 1
+    ("separate", {"spec.trainer": {"replicas": 2}}, 2),  # gpusPerPod left at 1
+    ("separate", {"spec.trainer": {"replicas": 3, "gpusPerPod": 0}}, 3),  # no GPU: one rank per pod
+    # colocated: a trainer rank beside each engine rank of every pod, the trainer's fields left out
+    ("colocated", {"spec.trainer": DELETE, "spec.generator.replicas": 2, "spec.generator.ranksPerPod": 4}, 8),
+    ("colocated", {"spec.trainer": DELETE, "spec.generator.gpusPerPod": 2, "spec.generator.ranksPerPod": DELETE}, 2),
 ])
-def test_the_trainer_world_rule_counts_ranks_as_the_models_do(jobs: Jobs, trainer, prompts):
+def test_the_trainer_world_rule_counts_ranks_as_the_models_do(jobs: Jobs, placement, pods, prompts):
     """prompts x 2 samples >= 2 mini-batches x the trainer ranks: the least number of prompts passes the CEL rule and
     the models, one fewer neither."""
     for n, ok in ((prompts, True), (prompts - 1, False)):
-        doc = edited(example(), {"spec.trainer": trainer, "spec.algorithm.promptsPerIteration": n,
+        doc = edited(example(), {"spec.placement": placement, **pods, "spec.algorithm.promptsPerIteration": n,
                                  "spec.algorithm.samplesPerPrompt": 2, "spec.algorithm.miniBatches": 2})
         refused = jobs.refusal(doc)
         assert (refused is None) == ok, (n, refused)

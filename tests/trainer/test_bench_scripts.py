@@ -1,6 +1,7 @@
 """The trainer's benchmark scripts run end to end here: bench/gpu_check.py's code path on CPU (--smoke), and
 bench/trainer_memory.py on the test model (--quick), whose sharding it measures; and the engine's
-bench/engine_capacity.py (--quick)."""
+bench/engine_capacity.py (--quick); and bench/placement.py on a job of a few tokens (both placements, one steady
+iteration each)."""
 
 import json
 import subprocess
@@ -59,3 +60,20 @@ def test_engine_capacity_quick_measures_the_paged_cache(tmp_path):
     # Timings only exist: the quick model's step is mostly sampling, and a shared CPU can even invert the two.
     assert result["tokens_per_s_paged"] > 0 and result["tokens_per_s_slots"] > 0
     assert result["sampling_share"] > 0 and result["sampling_share_top_p"] > 0
+
+
+def test_placement_smoke_runs_both_placements(tmp_path):
+    # The smallest job that runs both placements end to end (2 iterations, the first is warm-up): the numbers are
+    # noise here, the fields and their sources are what is checked.
+    result = run_script("bench/placement.py", "--iterations", "2", "--rounds", "1", "--prompts", "4",
+                        "--max-tokens", "16", "--quiet-wait", "0", "--out", str(tmp_path), timeout=240)
+    assert json.loads((tmp_path / "placement.json").read_text()) == result
+    for variant in ("colocated", "separate"):
+        (run,) = result["runs"][variant]
+        assert run["restarts"] == 0 and len(run["iteration_seconds"]) == 1
+        assert result[f"{variant}_generate_seconds"] > 0 and result[f"{variant}_train_seconds"] > 0
+    assert result["colocated_over_separate_iteration"] == pytest.approx(
+        result["colocated_iteration_seconds"] / result["separate_iteration_seconds"], rel=1e-2)
+    assert result["colocated_switch_seconds_per_iteration"] > 0
+    # The engines hand their KV pools back while the trainer trains, and take them again.
+    assert result["colocated_engine_memory_held_bytes"] > result["colocated_engine_memory_released_bytes"] > 0

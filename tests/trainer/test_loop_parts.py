@@ -50,8 +50,8 @@ def test_micro_batches_fit_the_budget_longest_first():
 def test_the_trainer_fails_fast_when_a_rank_cannot_fit(model_dir, tmp_path):
     """The start-up check: the same estimate as `pat plan`, against this host's free memory."""
     job = parse_job({"apiVersion": "pat.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "big"},
-                     "spec": {"model": {"path": str(model_dir)}, "dataset": {"synthetic": {}},
-                              "trainer": {"gpusPerPod": 0},
+                     "spec": {"placement": "separate", "model": {"path": str(model_dir)},
+                              "dataset": {"synthetic": {}}, "trainer": {"gpusPerPod": 0},
                               "algorithm": {"maxTokensPerMicroBatch": 1 << 40}}})
     with pytest.raises(FitError, match=r"spec\.algorithm\.maxTokensPerMicroBatch: .* needs .* with "
                                        r"maxTokensPerMicroBatch=1099511627776"):

@@ -371,9 +371,13 @@ class Trainer:
 
 def check_device_memory(spec: RLHFJobSpec, model_dir: Path, device: torch.device) -> None:
     """Fails at start, before anything is allocated, when the fit check's estimate for one rank exceeds the
-    memory free on its device (on CPU: the host's available memory shared by the host's ranks)."""
+    memory free on its device (on CPU: the host's available memory shared by the host's ranks). Colocated, the
+    estimate is the whole device's, both ranks in both phases, against its total memory: the engine rank beside
+    this one may have allocated already."""
     if device.type == "cuda":
-        free, where = torch.cuda.mem_get_info(device)[0], f"{device} ({torch.cuda.get_device_name(device)})"
+        free, total = torch.cuda.mem_get_info(device)
+        free = total if spec.placement == "colocated" else free
+        where = f"{device} ({torch.cuda.get_device_name(device)})"
     else:
         available = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                          if line.startswith("MemAvailable:"))
