@@ -636,6 +636,8 @@ class RLHFJobStatus(_Status):
     generators: list[GeneratorPodStatus] = []
     spec_hash: str | None = Field(None, description="hash of the spec as written (all but runPolicy, which may "
                                   "change; defaults left out, so that an operator upgrade keeps running jobs)")
+    placement: Literal["colocated", "separate"] | None = Field(None, description="the placement the job started "
+                                                               "with: a job that leaves spec.placement out keeps it")
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:

@@ -148,11 +148,16 @@ def restart_backoff(restarts: int, settings: Settings) -> float:
 
 def parse_body(body: dict[str, Any]) -> RLHFJob:
     """The job's spec as the models read it (the API server's metadata and status left out); JobSpecError names
-    each bad field."""
-    meta = body["metadata"]
+    each bad field. A job without spec.placement runs as its status says it started (status.placement); one that an
+    operator from before placement existed already ran (a specHash, no status.placement) stays separate, the only
+    placement there was: a new default must not move a running job's pods."""
+    meta, spec, status = body["metadata"], body.get("spec"), body.get("status") or {}
+    if isinstance(spec, dict) and "placement" not in spec:
+        started = status.get("placement") or ("separate" if status.get("specHash") else None)
+        spec = {**spec, "placement": started} if started else spec
     return parse_job({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                       "metadata": {"name": meta["name"], "namespace": meta.get("namespace")},
-                      "spec": body.get("spec")}, f"{meta.get('namespace')}/{meta['name']}")
+                      "spec": spec}, f"{meta.get('namespace')}/{meta['name']}")
 
 
 def decide(obs: Observed, settings: Settings = Settings()) -> Decision:
@@ -213,6 +218,7 @@ def _decide(job: RLHFJob, obs: Observed, book: _Book, settings: Settings) -> Dec
         book.finish(FAILED, "ImmutableFieldChanged", msg, Event("Warning", "ImmutableFieldChanged", msg))
         return book.decision(delete_pods=[p.name for p in alive])
     book.fields["specHash"] = digest
+    book.fields["placement"] = spec.placement
     if obs.iteration is not None:
         book.fields["iteration"] = obs.iteration
     ensure = builders.job_objects(job, uid, obs.token)

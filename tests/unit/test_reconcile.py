@@ -272,3 +272,39 @@ def test_changing_an_immutable_field_fails_the_job_but_run_policy_may_change():
     d = step(doc, gang, T0 + timedelta(seconds=2))
     assert d.status["phase"] == "Failed" and cond(d, "Failed")["reason"] == "ImmutableFieldChanged"
     assert sorted(d.delete_pods) == sorted(p.name for p in gang)
+
+
+def test_a_colocated_job_runs_worker_pods_and_succeeds_when_they_exit_zero():
+    doc = body()
+    doc["spec"]["placement"] = "colocated"
+    del doc["spec"]["trainer"]  # the generator pods' shape
+    d = step(doc, [], T0)
+    assert [p["metadata"]["name"] for p in d.create_pods] == ["arithmetic-grpo-worker-0", "arithmetic-grpo-worker-1"]
+    assert d.status["placement"] == "colocated"
+    gang = pods_of(d)
+    d = step(doc, gang, T0 + timedelta(seconds=1))
+    assert d.status["phase"] == "Running" and [g["pod"] for g in d.status["generators"]] == \
+        ["arithmetic-grpo-worker-0", "arithmetic-grpo-worker-1"]
+    done = [p.__class__(**{**p.__dict__, "phase": "Succeeded", "ready": False}) for p in gang]
+    # every pod holds trainer ranks: the job succeeds once all of them have exited 0, and one done first is no failure
+    d = step(doc, done[:1] + gang[1:], T0 + timedelta(seconds=2))
+    assert d.status["phase"] != "Succeeded" and d.create_pods == d.delete_pods == [] and d.status["restarts"] == 0
+    assert step(doc, done, T0 + timedelta(seconds=3)).status["phase"] == "Succeeded"
+
+
+def test_a_job_that_ran_before_placement_existed_stays_separate():
+    """A job created without spec.placement keeps the placement it started with: one an older operator ran (a
+    specHash, no status.placement) stays separate; one started colocated stays colocated."""
+    doc = body()
+    del doc["spec"]["placement"], doc["spec"]["trainer"]["gpusPerPod"]  # trainer: {replicas: 1}, generator: 2
+    doc["spec"]["trainer"]["gpusPerPod"] = 0
+    doc["status"] = {"specHash": "0123456789abcdef"}  # an older operator's
+    d = step(doc, [], T0)
+    assert [p["metadata"]["name"] for p in d.create_pods] == \
+        ["arithmetic-grpo-trainer-0", "arithmetic-grpo-generator-0", "arithmetic-grpo-generator-1"]
+    assert d.status["placement"] == "separate" and d.status["phase"] != "Failed"
+    fresh = body()  # negative control: a new job without spec.placement is colocated
+    del fresh["spec"]["placement"], fresh["spec"]["trainer"]
+    d = step(fresh, [], T0)
+    assert d.status["placement"] == "colocated" and len(d.create_pods) == 2
+    assert len(step(fresh, pods_of(d), T0).create_pods) == 0  # and stays so once its status says it
