@@ -434,6 +434,9 @@ class VllmPod:
         self._check_up()
         self._refuse_while_busy("new weights")
         check_weight_update(update, self.policy_version, receivers=1)
+        if update.transport == "device":
+            raise Invalid("transport: device is engine pat's in-pod hand-over (placement colocated); a vLLM pod "
+                          "receives the weights over the weight-sync group (transport group)")
         if update.backend != "gloo":
             raise Invalid(f"backend: {update.backend!r}; a vLLM pod receives the weights in host memory (gloo) and "
                           f"its engines load them from there")
