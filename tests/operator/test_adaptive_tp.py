@@ -5,6 +5,7 @@ rank that dies inside an operator-sent regroup: reported, and the gang restart t
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -88,8 +89,14 @@ def test_a_rank_dying_in_an_operator_regroup_fails_the_plan_and_the_gang_restart
     doc["spec"]["runPolicy"]["backoffLimit"] = 1
     doc["spec"]["generator"]["env"] = [{"name": "PAT_FAILPOINTS", "value": "regroup.transfer@1"}]
     # Any predicted gain merges: the test is of the failure, not of the planner's judgement (with the 10% margin,
-    # a noisy profile measured on this busy host once kept the operator from planning at all).
+    # a noisy profile measured on this busy host once kept the operator from planning at all; with no margin, a
+    # profile measured on a loaded host once still predicted no gain). So the pod exports an offline profile in
+    # which TP=2 is 10x faster at every batch: the operator plans the merge as soon as it sees the batch.
     doc["spec"]["generator"]["adaptiveTP"]["minGain"] = 0.0
+    (data_dir / "profile.json").write_text(json.dumps(
+        {"decode": {"1": {"1": 0.02, "16": 0.05}, "2": {"1": 0.002, "16": 0.005}}}))
+    (data_dir / "profile.json").chmod(0o644)
+    doc["spec"]["generator"]["adaptiveTP"]["profile"] = "/data/profile.json"
     job = _run(jobs, cluster, doc, ends="Failed")
     assert job["status"]["restarts"] == 1
     assert next(c for c in job["status"]["conditions"] if c["type"] == "Failed")["reason"] == "BackoffLimitExceeded"
