@@ -33,7 +33,7 @@ import json
 import math
 import time
 from multiprocessing.connection import Client, Connection, Listener
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -138,8 +138,7 @@ class WeightSender(_Member):
         receivers = range(1, self.world)
         self.store.wait([f"{prefix}dtype/{r}" for r in receivers], self.timeout)
         dtypes = {self.store.get(f"{prefix}dtype/{r}").decode() for r in receivers}
-        manifest = {"version": version, "dtype": sorted(dtypes)[0], "bucket_bytes": bucket_bytes,
-                    "tensors": [[name, list(shapes[name])] for name in sorted(shapes)]}
+        manifest = _manifest(shapes, version, sorted(dtypes)[0], bucket_bytes)
         self.store.set(f"{prefix}manifest", json.dumps(manifest))
         refusals = self._refusals(len(dtypes) > 1)
         if refusals:
@@ -156,10 +155,7 @@ class WeightSender(_Member):
                 # Each tensor is cast straight into its place in the bucket: one bucket's memory, one copy.
                 flat = torch.empty(sum(sizes), dtype=dtype, device=device) if len(bucket) > 1 else None
                 for i, part in zip(bucket, flat.split(sizes) if flat is not None else [None]):
-                    name, tensor = next(stream)
-                    if name != manifest["tensors"][i][0]:
-                        raise ValueError(f"weight {name} sent where {manifest['tensors'][i][0]} was announced: "
-                                         f"tensors must come in sorted-name order")
+                    tensor = _next_announced(stream, manifest["tensors"][i][0])
                     if part is None:
                         flat = tensor.detach().to(device=device, dtype=dtype).contiguous()
                     else:
@@ -211,8 +207,21 @@ class WeightReceiver(_Member):
                     weights[name].copy_(part.view_as(weights[name]))
 
 
+def _manifest(shapes: Mapping[str, Sequence[int]], version: int, dtype: str, bucket_bytes: int) -> dict:
+    """What a sender announces for a round: every tensor's name and shape, in sorted-name order."""
+    return {"version": version, "dtype": dtype, "bucket_bytes": bucket_bytes,
+            "tensors": [[name, list(shapes[name])] for name in sorted(shapes)]}
+
+
+def _next_announced(stream: Iterator[tuple[str, torch.Tensor]], announced: str) -> torch.Tensor:
+    name, tensor = next(stream)
+    if name != announced:
+        raise ValueError(f"weight {name} sent where {announced} was announced: tensors must come in sorted-name order")
+    return tensor
+
+
 def check_manifest(manifest: dict, weights: dict[str, torch.Tensor], version: int,
-                          shapes: Mapping[str, Sequence[int]]) -> str | None:
+                   shapes: Mapping[str, Sequence[int]]) -> str | None:
     """Why a receiver refuses the round's manifest (another version, model or dtype), or None."""
     if manifest["version"] != version:
         return (f"the trainer sent version {manifest['version']}, this pod expects version {version} "
@@ -261,8 +270,7 @@ class DeviceSender:
         if self.conn is None:
             self.conn = self.listener.accept()
         dtype_name = self.conn.recv()
-        manifest = {"version": version, "dtype": dtype_name, "bucket_bytes": bucket_bytes,
-                    "tensors": [[name, list(shapes[name])] for name in sorted(shapes)]}
+        manifest = _manifest(shapes, version, dtype_name, bucket_bytes)
         self.conn.send(manifest)
         problem = self.conn.recv()
         refusals = agree(problem is not None)
@@ -282,10 +290,7 @@ class DeviceSender:
             for bucket in groups:
                 offset = 0
                 for i in bucket:
-                    name, tensor = next(stream)
-                    if name != manifest["tensors"][i][0]:
-                        raise ValueError(f"weight {name} sent where {manifest['tensors'][i][0]} was announced: "
-                                         f"tensors must come in sorted-name order")
+                    tensor = _next_announced(stream, manifest["tensors"][i][0])
                     n = tensor.numel()
                     staging[offset:offset + n].copy_(tensor.detach().reshape(-1))
                     offset += n
