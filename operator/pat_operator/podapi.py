@@ -7,8 +7,9 @@ JSON field names are snake_case, as in OpenAI-style inference APIs. Every endpoi
   GET  /v1/rollouts/{batch}  ?wait=seconds -> BatchStatus       (completions once done; long-polls up to wait)
   POST /v1/regroup           RegroupPlan   -> RegroupAck        (applied at the next step boundary)
   POST /v1/weights           WeightUpdate  -> 202 PodState      (ranks then receive the broadcast, or the hand-over)
-  POST /v1/sleep                           -> PodState          (between batches: the ranks give back their KV
-                                                                  pools and step memory, for the colocated trainer)
+  POST /v1/sleep             ?level=1|2    -> PodState          (between batches: the ranks give back their KV
+                                                                  pools and step memory, for the colocated trainer;
+                                                                  level 2 their weights too, until POST /v1/weights)
   POST /v1/wake_up                         -> PodState          (the ranks take their memory back)
   GET  /v1/state                           -> PodState
 """
@@ -18,6 +19,9 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+SLEEP_LEVELS = (1, 2)  # POST /v1/sleep?level=: 1 keeps the weights, 2 releases them too (as vLLM's)
 
 
 class _Model(BaseModel):
@@ -138,5 +142,7 @@ class PodState(_Model):
     dtype: str
     memory: Literal["held", "released"] = Field("held", description="released after POST /v1/sleep: the ranks hold "
                                                 "their weights only, and take no batch until POST /v1/wake_up")
+    weights: Literal["held", "released"] = Field("held", description="released after POST /v1/sleep?level=2: the "
+                                                 "pod wakes up only once a weight update has written new ones")
     memory_bytes: list[int] = Field([], description="each rank's memory at its last sleep or wake-up: the process's "
                                     "resident bytes on CPU, torch.cuda.memory_reserved on a GPU")

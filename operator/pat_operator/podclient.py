@@ -69,8 +69,8 @@ class PodClient:
     async def update_weights(self, update: WeightUpdate) -> PodState:
         return await self._call("POST", "/v1/weights", PodState, update)
 
-    async def sleep(self) -> PodState:
-        return await self._call("POST", "/v1/sleep", PodState)
+    async def sleep(self, level: int = 1) -> PodState:
+        return await self._call("POST", "/v1/sleep", PodState, params={"level": str(level)})
 
     async def wake_up(self) -> PodState:
         return await self._call("POST", "/v1/wake_up", PodState)

@@ -94,6 +94,16 @@ class Pod:
         assert [c["id"] for c in completions] == [r["id"] for r in requests]
         return completions
 
+    def submit_after_weights(self, batch_id: str, requests: list[dict], version: int, timeout: float = 30.0) -> None:
+        """Submits a batch as soon as the ranks have ended a weight round (a refused one ends asynchronously: until
+        then the pod answers 409)."""
+        deadline = time.monotonic() + timeout
+        while (status := self.call("POST", "/v1/rollouts", {"batch_id": batch_id, "policy_version": version,
+                                                             "requests": requests}))[0] == 409:
+            assert time.monotonic() < deadline, f"the weight round never ended: {status[1]}"
+            time.sleep(0.02)
+        assert status[0] == 202, status
+
     def submit(self, batch_id: str, requests: list[dict], version: int | None = None) -> dict:
         version = self.state()["policy_version"] if version is None else version
         return self.ok("POST", "/v1/rollouts", {"batch_id": batch_id, "policy_version": version,

@@ -103,6 +103,7 @@ class Engine:
         # size held). Not bfloat16: oneDNN's bf16 GEMM needs CPU instructions a host may lack.
         self.prepack = (model.device.type == "cpu" and model.dtype == torch.float32 and not compile_step
                         and torch.backends.mkldnn.is_available())
+        self.weights_lost = False  # released with the engine's memory, not yet written again (release_memory)
         self.join((self.rank,))
 
     @property
@@ -153,11 +154,12 @@ class Engine:
         """Fraction of the KV blocks in use (scratch not counted)."""
         return 1 - self.kv.free_blocks / (self.kv.num_blocks - 1)
 
-    def release_memory(self) -> None:
+    def release_memory(self, weights: bool = False) -> None:
         """Gives back the memory the engine holds beside the weights, between batches: the KV pool, the captured
         graphs with their memory pool (they read the pool's address, so they are captured again after
-        `acquire_memory`), and on CPU the prepacked copies of the weights. On GPUs the caching allocator returns the
-        freed blocks to the device."""
+        `acquire_memory`), and on CPU the prepacked copies of the weights; with `weights` the weights too (their
+        values are lost: a weight update must write them before `acquire_memory`). On GPUs the caching allocator
+        returns the freed blocks to the device."""
         if self.has_work():
             raise RuntimeError(f"{len(self.running) + len(self.waiting)} request(s) are in the engine: release its "
                                f"memory between batches")
@@ -166,12 +168,20 @@ class Engine:
         self._graphs.clear()
         self._graph_pool = None
         self.model.drop_packed()
-        self.shard = self.model.shard(self.tp, self.group.index(self.rank))  # views only until acquire_memory
+        if weights:  # no view may keep the loader's buffers (Transformer.release_weights): join takes them again
+            self.shard = None
+            self.model.release_weights()
+            self.weights_lost = True
+        else:
+            self.shard = self.model.shard(self.tp, self.group.index(self.rank))  # views only until acquire_memory
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def acquire_memory(self) -> None:
         """Takes the KV pool back before the next batch (every block free), and packs the shard's weights again."""
+        if self.weights_lost:
+            raise RuntimeError("the weights were released with the engine's memory: a weight update must write new "
+                               "ones before the engine takes its memory back")
         self.kv.acquire_memory()
         self.join(self.group)
 

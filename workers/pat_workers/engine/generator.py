@@ -109,6 +109,7 @@ class LocalGenerator:
         self._weight_reports: dict[int, str | None] = {}
         self.memory_held = True  # the ranks' KV pools and step memory (see set_memory)
         self.memory_bytes: dict[int, int] = {}  # rank -> its memory at its last set_memory
+        self.weights_held = True  # False from set_memory(weights=True) until a weight update succeeds
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self, timeout: float = 600.0) -> LocalGenerator:
@@ -256,14 +257,18 @@ class LocalGenerator:
             self._commands[g[0]].put(command)
 
     # -- memory ------------------------------------------------------------------------------------------
-    def set_memory(self, held: bool, timeout: float = 300.0) -> dict[int, int]:
+    def set_memory(self, held: bool, weights: bool = False, timeout: float = 300.0) -> dict[int, int]:
         """Between batches: every rank gives back (held False) or takes again (True) its KV pool and step memory
-        (Engine.release_memory / acquire_memory), so that the trainer ranks on the same devices can use it; returns
-        each rank's memory afterwards (memory_bytes)."""
+        (Engine.release_memory / acquire_memory), so that the trainer ranks on the same devices can use it; with
+        `weights` it gives back its weights too, and takes its memory again only after a weight update has written
+        new ones. Returns each rank's memory afterwards (memory_bytes)."""
         if self._where:
             raise ValueError(f"{len(self._where)} request(s) are generating; release memory between batches")
+        if held and not self.weights_held:
+            raise ValueError("the ranks released their weights: update the weights to the next version before they "
+                             "take their memory back")
         for g in self._live_groups():
-            self._commands[g[0]].put(("memory", held))
+            self._commands[g[0]].put(("memory", held, weights))
         reported: dict[int, int] = {}
         deadline = time.monotonic() + timeout
         while set(range(self.world)) - self._dead_now() - set(reported):
@@ -273,6 +278,7 @@ class LocalGenerator:
             else:
                 self._handle(event)
         self.memory_held, self.memory_bytes = held, reported
+        self.weights_held = self.weights_held and not weights
         return reported
 
     # -- layouts -----------------------------------------------------------------------------------------
@@ -416,7 +422,7 @@ class LocalGenerator:
         if reasons:  # a refused round moved nothing (weightsync): every rank kept its weights
             self.weights_refused = "; ".join(reasons)
         else:
-            self.policy_version = version
+            self.policy_version, self.weights_held = version, True
             self.metrics.policy_version.set(version)
         self.weights_pending = None
 

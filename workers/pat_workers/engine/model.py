@@ -307,6 +307,7 @@ class Transformer:
         self.chunks = fuse_chunks(cfg)
         self.fused = [fuse_layer(cfg, weights, f"model.layers.{i}.", self.chunks) for i in range(cfg.num_layers)]
         self._packed: dict[tuple[int, int], list[LayerShard]] = {}  # (tp, index) -> its prepacked layers
+        self._released: list[tuple[torch.UntypedStorage, int]] = []  # the weights' storages and their sizes
 
     def weights_changed(self) -> None:
         """The weights were written in place (a sync): the prepacked shards are stale. Each is packed again now,
@@ -318,6 +319,34 @@ class Transformer:
     def drop_packed(self) -> None:
         """Gives back every prepacked shard (an engine that releases its memory); shard() packs again."""
         self._packed = {}
+
+    @property
+    def weights_held(self) -> bool:
+        return not self._released
+
+    def release_weights(self) -> None:
+        """Gives back the weights' memory and keeps every tensor (and view) of them, with its shape, for
+        reserve_weights; their values are lost. FSDP2 frees and refills its unsharded parameters the same way
+        (resizing their storages). Shards taken before are left pointing at nothing: take them again after."""
+        if self._released:
+            return
+        storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for t in [*self.w.values(), *(f for layer in self.fused for f in layer.values())]:
+            if not t.untyped_storage().resizable():
+                # The loader's tensors are views of safetensors' buffer, which cannot be resized: each gets a storage
+                # of its own first (allocated, never written, so it takes no memory before it is freed).
+                t.set_(torch.UntypedStorage(t.numel() * t.element_size(), device=t.device), 0, t.shape, t.stride())
+            s = t.untyped_storage()
+            storages.setdefault(s.data_ptr(), (s, s.nbytes()))
+        for s, _ in storages.values():
+            s.resize_(0)
+        self._released = list(storages.values())
+
+    def reserve_weights(self) -> None:
+        """Takes the released weights' memory again, their values undefined until a weight update writes them."""
+        for s, nbytes in self._released:
+            s.resize_(nbytes)
+        self._released = []
 
     def check_tp(self, tp: int) -> None:
         cfg = self.cfg

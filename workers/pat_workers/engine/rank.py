@@ -233,7 +233,7 @@ def _serve(engine: Engine, costs, opts: EngineOptions, commands, events) -> None
                 if command[1]:
                     engine.acquire_memory()
                 else:
-                    engine.release_memory()
+                    engine.release_memory(weights=command[2])
                 events.put(("memory", engine.rank, memory_bytes(engine.model.device)))
         if engine.has_work():
             stats = engine.step()
@@ -280,10 +280,12 @@ def _update(engine: Engine, version: int, receivers: dict, key, connect) -> str 
         raise RuntimeError(f"weights of version {version} arrived while requests are generating")
     if key not in receivers:
         receivers[key] = connect()
+    engine.model.reserve_weights()  # released ones (Engine.release_memory): the round writes every tensor
     try:
         receivers[key].receive(engine.model.w, version, engine.model.hf_shapes)
     except WeightSyncError as refused:
         return str(refused)
     finally:  # even a refused round may have written some weights
         engine.weights_changed()
+    engine.weights_lost = False
     return None

@@ -27,8 +27,8 @@ from typing import Any, Literal
 from pat_operator import layout as layouts
 from pat_operator.planner import (PLAN_SPACING, REGROUP_FIXED_SECONDS, Controller, Decision, LengthPredictor,
                                   Profile, RegroupCosts)
-from pat_operator.podapi import (BatchStatus, Completion, GroupState, PodState, RegroupAck, RegroupPlan,
-                                 RolloutBatch, RolloutRequest, WeightUpdate)
+from pat_operator.podapi import (SLEEP_LEVELS, BatchStatus, Completion, GroupState, PodState, RegroupAck,
+                                 RegroupPlan, RolloutBatch, RolloutRequest, WeightUpdate)
 
 from ..engine.engine import Request
 from ..engine.generator import GeneratorError, LocalGenerator, StepRecord
@@ -214,7 +214,7 @@ class Coordinator:
             policy_version=self.gen.policy_version, batch_id=self._batch.batch_id if self._batch else None,
             batch_done=not self._generating(), controller=self.config.controller, world=self.gen.world,
             weight_receivers=self.gen.world, dtype=self.config.options.dtype,
-            memory="held" if self.gen.memory_held else "released",
+            memory="held" if self.gen.memory_held else "released", weights="held" if self.gen.weights_held else "released",
             memory_bytes=[self.gen.memory_bytes.get(r, 0) for r in range(self.gen.world)] if self.gen.memory_bytes
             else [])
 
@@ -415,6 +415,8 @@ class Coordinator:
         if self.gen.weights_pending is not None:
             raise Conflict(f"the ranks are receiving the weights of version {self.gen.weights_pending}; retry once "
                            f"GET /v1/state shows that policy_version")
+        if not self.gen.memory_held:
+            raise Conflict("the ranks have released their memory (POST /v1/sleep): plans apply after POST /v1/wake_up")
         if self._last_ack is not None and plan.epoch == self._last_ack.applied_epoch == self.gen.epoch:
             return self._last_ack  # a retry of the plan just applied
         if plan.epoch <= self.gen.epoch:
@@ -454,18 +456,26 @@ class Coordinator:
                      update.address, update.rank_offset, update.rank_offset + self.gen.world - 1, update.world)
         return self._snapshot()
 
-    def sleep(self) -> PodState:
+    def sleep(self, level: int = 1) -> PodState:
         """Between batches: the ranks give back their KV pools and step memory (placement colocated: the trainer
-        ranks on the same devices train in it). Weights stay."""
+        ranks on the same devices train in it). Level 1 keeps the weights; level 2 gives them back too, for a caller
+        that sends the next version before waking the pod (vLLM's sleep levels)."""
+        if level not in SLEEP_LEVELS:
+            raise Invalid(f"level: {level} is not a sleep level; use 1 (keep the weights) or 2 (release them too)")
         self._refuse_while_busy("sleep")
         if self.gen.memory_held:
-            self.gen.set_memory(False)
-            log.info("memory released: %s", _sizes(self.gen.memory_bytes))
+            self.gen.set_memory(False, weights=level == 2)
+            log.info("memory released (level %d): %s", level, _sizes(self.gen.memory_bytes))
+        elif level == 2 and self.gen.weights_held:
+            raise Conflict("level: the pod sleeps at level 1, its weights held; POST /v1/wake_up, then sleep at level 2")
         return self._snapshot()
 
     def wake_up(self) -> PodState:
         """The ranks take their KV pools back, every block free."""
         self._refuse_while_busy("wake up")
+        if not self.gen.weights_held:
+            raise Conflict(f"the ranks released their weights (POST /v1/sleep?level=2): POST /v1/weights with version "
+                           f"{self.gen.policy_version + 1} or later before waking the pod")
         if not self.gen.memory_held:
             self.gen.set_memory(True)
             log.info("memory taken back: %s", _sizes(self.gen.memory_bytes))

@@ -136,7 +136,10 @@ def make_app(coordinator: Coordinator, token: str) -> web.Application:
         return _reply(await _ask(c, c.update_weights, update), 202)
 
     async def sleep(request: web.Request) -> web.Response:
-        return _reply(await _ask(c, c.sleep))
+        raw = request.query.get("level", "1")
+        if not raw.isdigit():
+            raise Invalid(f"level: {raw!r} is not a sleep level; use 1 (keep the weights) or 2 (release them too)")
+        return _reply(await _ask(c, c.sleep, int(raw)))
 
     async def wake_up(request: web.Request) -> web.Response:
         return _reply(await _ask(c, c.wake_up))
