@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, Literal, get_origin
 
 import yaml
 from pydantic import BaseModel
@@ -86,7 +86,25 @@ def _spec_rules() -> list[tuple[str, str]]:
         (f"{_value('algorithm.maxTokensPerMicroBatch')} >= {_value('generator.maxSeq')}",
          "algorithm.maxTokensPerMicroBatch is below one whole sequence (prompt + response, up to generator.maxSeq); "
          "raise it to at least generator.maxSeq"),
+        (f"!({_colocated()} && has(self.generator) && has(self.generator.engine) && self.generator.engine == 'vllm')",
+         "spec.placement: colocated with generator.engine: vllm needs vLLM's sleep mode (CUDA only) and a weight "
+         "hand-over into its workers, which this version does not have; set spec.placement: separate"),
+        *_colocated_trainer_rules(),
     ]
+
+
+def _colocated_trainer_rules() -> list[tuple[str, str]]:
+    """Colocated, a trainer pod field that is set equals the generator's (api.RLHFJobSpec._placed). The scalar
+    fields only: a rule comparing lists or maps without maxItems (tolerations, resources, nodeSelector, ...) is
+    priced at the largest request and would exceed the API server's budget; the operator refuses those."""
+    generator_ranks = "(has(self.generator) && has(self.generator.ranksPerPod) ? self.generator.ranksPerPod : " \
+                      f"{_value('generator.gpusPerPod')})"
+    pairs = [(api.Trainer.model_fields[name].alias, _value(f"generator.{api.Generator.model_fields[name].alias}"))
+             for name in api.COLOCATED_POD_FIELDS if _scalar(api.Trainer.model_fields[name].annotation)]
+    return [(f"!({_colocated()} && has(self.trainer) && has(self.trainer.{field})) || self.trainer.{field} == {ours}",
+             f"spec.placement: colocated runs both roles in the generator pods: trainer.{field} differs from the "
+             f"generator's; leave trainer.{field} out (or use spec.placement: separate)")
+            for field, ours in [*pairs, ("ranksPerPod", generator_ranks)]]
 
 
 def _value(path: str, model: type[BaseModel] = api.RLHFJobSpec) -> str:
@@ -98,6 +116,14 @@ def _value(path: str, model: type[BaseModel] = api.RLHFJobSpec) -> str:
         node = field.annotation
     has = " && ".join(f"has(self.{'.'.join(parts[:i + 1])})" for i in range(len(parts)))
     return f"({has} ? self.{path} : {json.dumps(field.default)})"
+
+
+def _scalar(annotation: Any) -> bool:
+    return annotation in (int, str) or get_origin(annotation) is Literal
+
+
+def _colocated() -> str:
+    return f"{_value('placement')} == 'colocated'"
 
 
 def _trainer_world_rule() -> str:
@@ -116,7 +142,7 @@ def _trainer_world_rule() -> str:
     engine_ranks_set = "has(self.generator) && has(self.generator.ranksPerPod)"
     colocated = (f"(!({engine_ranks_set}) || {responses} >= {engine_shares} * self.generator.ranksPerPod) && "
                  f"({engine_ranks_set} || {responses} >= {engine_shares} * {_value('generator.gpusPerPod')})")
-    return f"({_value('placement')} == 'colocated' ? ({colocated}) : ({separate}))"
+    return f"({_colocated()} ? ({colocated}) : ({separate}))"
 
 
 def _divides_ranks(tp: str) -> str:

@@ -28,12 +28,13 @@ Counted per rank (P parameters, W = trainer.world_size, e = 2 bytes per element 
   weights (1/tensorParallelSize) and its share of the KV cache of one sequence of maxModelLen (vLLM refuses to start
   without room for one). The model's attention heads must split over the TP size.
 - colocated GPU (spec.placement colocated: a trainer rank and an engine rank on it, taking turns), per phase.
-  Resident through both: the trainer's sharded states but the gradients (fp32 parameters, AdamW's moments, the
-  reference; none with trainer.cpuOffload: trainer_resident_bytes) and the engine's weights. Generating, within
-  memoryUtilization: the engine's working memory and its KV cache, which gets what the resident part leaves (at
-  least one sequence of maxSeq). Training, within all but HEADROOM (the engine's KV cache and working memory
-  released): the gradients, the trainer's unsharded blocks, activations and loss chunk, and one weight-sync bucket
-  (WEIGHT_SYNC_BUCKET_BYTES) in transit for the hand-over to the engine after the step.
+  Resident through all: the trainer's sharded states but the gradients (fp32 parameters, AdamW's moments, the
+  reference; none with trainer.cpuOffload: trainer_resident_bytes). Generating, within memoryUtilization: the
+  engine's weights, working memory and KV cache, which gets what the rest leaves (at least one sequence of maxSeq).
+  Training, within all but HEADROOM (the engine asleep at level 2 has given back its weights, KV cache and working
+  memory): the gradients, the trainer's unsharded blocks, activations and loss chunk. The hand-over after the step,
+  within all but HEADROOM (the gradients freed): the engine's weights, written one weight-sync bucket
+  (WEIGHT_SYNC_BUCKET_BYTES) at a time.
 HEADROOM (a tenth of each trainer device) is kept free for what is not counted: the CUDA context, NCCL buffers,
 allocator fragmentation, the gradients of activations inside a block's backward.
 """
@@ -482,12 +483,13 @@ ROLES: dict[str, Callable[[RLHFJobSpec, ModelShape, float | None], Memory]] = {
 @dataclass(frozen=True)
 class Phases:
     """Per GPU of a colocated pod, its trainer rank and engine rank together, in bytes by term: what stays across the
-    phases, what generating adds (the engine's working memory and KV cache, released for training) and what training
-    adds (the trainer's gradients and buffers, freed before generating); `host`: what trainer.cpuOffload keeps in
-    host memory."""
+    phases, what generating adds (the engine's weights, working memory and KV cache, released for training), what
+    training adds (the trainer's gradients and buffers, freed before the hand-over) and what the hand-over adds (the
+    engine's weights again, and a bucket in transit); `host`: what trainer.cpuOffload keeps in host memory."""
     resident: tuple[tuple[str, float], ...]
     generate: tuple[tuple[str, float], ...]
     train: tuple[tuple[str, float], ...]
+    handover: tuple[tuple[str, float], ...]
     host: tuple[tuple[str, float], ...] = ()
 
     @property
@@ -503,19 +505,25 @@ class Phases:
     def train_bytes(self) -> float:
         return self.resident_bytes + sum(b for _, b in self.train)
 
+    @property
+    def handover_bytes(self) -> float:
+        return self.resident_bytes + sum(b for _, b in self.handover)
+
 
 def colocated_memory(spec: RLHFJobSpec, shape: ModelShape, memory_bytes: float | None = None) -> Phases:
     """Per GPU of a colocated pod on a device of memory_bytes (None: not known, the KV cache at its cap). Resident:
-    the trainer's sharded states (trainer_resident_bytes) and the engine's weights, which it keeps while the trainer
-    trains. The weights then pass to the engine one bucket at a time: counted in the train phase."""
+    the trainer's sharded states (trainer_resident_bytes). The engine's weights go with it to sleep (the hand-over
+    writes every tensor anew), and come back in the hand-over, one bucket at a time."""
     label, weights = _engine_weights(spec, shape)
     states, gradients = _trainer_resident(spec, shape), _trainer_gradients(spec, shape)
     offloaded = _offloaded(spec)
     engine = lambda terms: [(f"engine {name}", b) for name, b in terms]  # noqa: E731
-    return Phases(resident=tuple(states * (not offloaded) + engine([(label, weights)])),
-                  generate=tuple(engine([*_engine_working(spec, shape), *_kv_terms(spec, shape, memory_bytes)])),
-                  train=tuple([gradients] * (not offloaded) + _trainer_buffers(spec, shape)
-                              + [("weight hand-over: one bucket in transit", min(WEIGHT_SYNC_BUCKET_BYTES, weights))]),
+    return Phases(resident=tuple(states * (not offloaded)),
+                  generate=tuple(engine([(label, weights), *_engine_working(spec, shape),
+                                         *_kv_terms(spec, shape, memory_bytes)])),
+                  train=tuple([gradients] * (not offloaded) + _trainer_buffers(spec, shape)),
+                  handover=tuple(engine([(label, weights)])
+                                 + [("one bucket in transit", min(WEIGHT_SYNC_BUCKET_BYTES, weights))]),
                   host=tuple([*states, gradients] * offloaded))
 
 
@@ -544,7 +552,7 @@ def need(spec: RLHFJobSpec, shape: ModelShape, role: str) -> float:
 @dataclass(frozen=True)
 class Budget:
     """One limit on a device: at least `need` bytes of the `allowed` (a trainer rank, an engine rank, or a colocated
-    GPU's phase: generate or train)."""
+    GPU's phase: generate, train or hand-over)."""
     name: str
     need: float
     allowed: float
@@ -556,15 +564,17 @@ class Budget:
 
 def budgets(spec: RLHFJobSpec, shape: ModelShape, role: str, memory_bytes: float) -> list[Budget]:
     """The limits a role's device of memory_bytes must keep. Role trainer or generator: the rank's need() within its
-    allowance(). Role colocated, per phase: generating, the resident part (trainer_resident_bytes and the engine's
-    weights), the engine's working memory and a KV cache of one sequence within memoryUtilization (as the engine
-    alone); training, the resident part and the trainer's gradients and buffers within all but HEADROOM (as the
-    trainer alone)."""
+    allowance(). Role colocated, per phase: generating, the trainer's resident states (trainer_resident_bytes), the
+    engine's weights, working memory and a KV cache of one sequence within memoryUtilization (as the engine alone);
+    training, the resident states and the trainer's gradients and buffers, and the hand-over, the resident states and
+    the engine's weights, each within all but HEADROOM (as the trainer alone)."""
     if role != "colocated":
         return [Budget(role, need(spec, shape, role), allowance(spec, role, memory_bytes))]
     generate = trainer_resident_bytes(spec, shape) + generator_need(spec, shape)
+    phases = colocated_memory(spec, shape)
     return [Budget("generate", generate, allowance(spec, "generator", memory_bytes)),
-            Budget("train", colocated_memory(spec, shape).train_bytes, usable(memory_bytes))]
+            Budget("train", phases.train_bytes, usable(memory_bytes)),
+            Budget("hand-over", phases.handover_bytes, usable(memory_bytes))]
 
 
 def fits(spec: RLHFJobSpec, shape: ModelShape, role: str, memory_bytes: float) -> bool:
@@ -676,7 +686,7 @@ def _check(spec: RLHFJobSpec, shape: ModelShape, role: str, capacity: float, of:
     unit = "GPU" if template.gpus_per_pod > 0 else "rank"
     if role == "colocated":
         who = (f"a {unit} of colocated {shape.name} (a trainer rank and an engine rank) needs "
-               + "; and ".join(_phase(spec, shape, b, of) for b in limits))
+               + "; and ".join(_phase(spec, shape, b, of) for b in limits if not b.fits))
         room = ""
     else:
         (limit,) = limits
@@ -713,20 +723,18 @@ def _check(spec: RLHFJobSpec, shape: ModelShape, role: str, capacity: float, of:
 
 
 def _phase(spec: RLHFJobSpec, shape: ModelShape, b: Budget, of: str) -> str:
-    """A colocated phase's need, its parts and its limit, e.g. `26.3 GiB to train (...) of the 71.7 GiB usable ...`."""
+    """A colocated phase's need over its limit, with its parts: `101.8 GiB to train (...), more than the 71.7 GiB usable
+    of ...`."""
     trainer, weights = trainer_resident_bytes(spec, shape), _engine_weights(spec, shape)[1]
-    resident = f"resident {gib(trainer + weights)}: the trainer's states {gib(trainer)}, the engine's weights " \
-               f"{gib(weights)}"
-    if b.name == "generate":
-        knob = "vllm.gpuMemoryUtilization" if spec.generator.engine == "vllm" else "memoryUtilization"
-        what = (f"{resident}; the engine's working memory and the KV cache of one sequence of {max_len(spec)} tokens "
-                f"{gib(b.need - trainer - weights)}")
-        limit = f"the {gib(b.allowed)} that {knob}={utilization(spec)} allows of {of}"
-    else:
-        what = f"{resident}; gradients, activations and buffers {gib(b.need - trainer - weights)}"
-        limit = f"the {gib(b.allowed)} usable of {of} ({HEADROOM:.0%} kept free)"
-    verdict = "more than" if not b.fits else "within"
-    return f"{gib(b.need)} to {b.name} ({what}), {verdict} {limit}"
+    beside = {"generate": f"the engine's weights {gib(weights)}, its working memory and the KV cache of one sequence "
+                          f"of {max_len(spec)} tokens {gib(b.need - trainer - weights)}",
+              "train": f"gradients, activations and buffers {gib(b.need - trainer)}",
+              "hand-over": f"the engine's weights {gib(weights)} and a bucket in transit"}[b.name]
+    knob = "vllm.gpuMemoryUtilization" if spec.generator.engine == "vllm" else "memoryUtilization"
+    limit = (f"the {gib(b.allowed)} that {knob}={utilization(spec)} allows of {of}" if b.name == "generate"
+             else f"the {gib(b.allowed)} usable of {of} ({HEADROOM:.0%} kept free)")
+    verb = {"hand-over": "hand the weights over"}.get(b.name, b.name)
+    return f"{gib(b.need)} to {verb} (the trainer's states {gib(trainer)}; {beside}), more than {limit}"
 
 
 def _text(value: Any) -> str:

@@ -163,6 +163,8 @@ class Case:
 
 
 GPU = api.GPU_RESOURCE
+# Generator pods on GPUs, colocated: examples/local.yaml's trainer (gpusPerPod: 0, for placement separate) goes.
+ON_GPUS = {"spec.trainer": DELETE}
 CASES = [
     Case("<nil>", "metadata.name: use a DNS label",  # a DNS subdomain passes the server's own name check
          bad={"metadata.name": "job.v1"}, good={"metadata.name": "job-v1"}),
@@ -188,9 +190,10 @@ CASES = [
          bad={"spec.reward.function": "mymodule.score"}, good={"spec.reward.function": "mymodule:score"}),
     Case("spec.trainer", "trainer.ranksPerPod must equal gpusPerPod",
          bad={"spec.trainer": {"gpusPerPod": 2, "ranksPerPod": 1}},
-         good={"spec.trainer": {"gpusPerPod": 2, "ranksPerPod": 2}}),
+         good={"spec.trainer": {"gpusPerPod": 2, "ranksPerPod": 2}}, also={"spec.placement": "separate"}),
     Case("spec.trainer", "trainer.ranksPerPod must equal gpusPerPod",  # gpusPerPod's default is 1
-         bad={"spec.trainer": {"ranksPerPod": 2}}, good={"spec.trainer": {"ranksPerPod": 1}}),
+         bad={"spec.trainer": {"ranksPerPod": 2}}, good={"spec.trainer": {"ranksPerPod": 1}},
+         also={"spec.placement": "separate"}),
     *[Case(f"spec.{pod}.resources", f"resources.{kind}: do not set {GPU} here",
            bad={f"spec.{pod}.resources": {kind: {GPU: 1, "cpu": "1"}}},
            good={f"spec.{pod}.resources": {kind: {"cpu": "1", "nvidia.com/mig-1g.10gb": 1}}})
@@ -200,19 +203,19 @@ CASES = [
          also={"spec.generator.adaptiveTP.enabled": False}),
     Case("spec.generator", "generator.ranksPerPod must equal gpusPerPod",
          bad={"spec.generator.gpusPerPod": 4, "spec.generator.ranksPerPod": 2},
-         good={"spec.generator.gpusPerPod": 2, "spec.generator.ranksPerPod": 2}),
+         good={"spec.generator.gpusPerPod": 2, "spec.generator.ranksPerPod": 2}, also=ON_GPUS),
     Case("spec.generator", "generator.ranksPerPod: use a power of two",
          bad={"spec.generator.ranksPerPod": 3}, good={"spec.generator.ranksPerPod": 4},
          also={"spec.generator.adaptiveTP.enabled": False}),
     Case("spec.generator", "generator.gpusPerPod: use a power of two",
          bad={"spec.generator.gpusPerPod": 6}, good={"spec.generator.gpusPerPod": 8},
-         also={"spec.generator.ranksPerPod": DELETE}),
+         also={**ON_GPUS, "spec.generator.ranksPerPod": DELETE}),
     Case("spec.generator", "generator.adaptiveTP.tpSizes: use powers of two dividing the ranks per pod",
          bad={"spec.generator.adaptiveTP.tpSizes": [1, 4]}, good={"spec.generator.adaptiveTP.tpSizes": [1, 2]}),
     Case("spec.generator", "generator.adaptiveTP.tpSizes: use powers of two dividing the ranks per pod",
          bad={"spec.generator.gpusPerPod": 4, "spec.generator.adaptiveTP.tpSizes": [1, 2, 4, 8]},
          good={"spec.generator.gpusPerPod": 8, "spec.generator.adaptiveTP.tpSizes": [1, 2, 4, 8]},
-         also={"spec.generator.ranksPerPod": DELETE}),
+         also={**ON_GPUS, "spec.generator.ranksPerPod": DELETE}),
     Case("spec.generator", "generator.vllm.tensorParallelSize must divide the ranks per pod", base="vllm",
          bad={"spec.generator.vllm.tensorParallelSize": 4}, good={"spec.generator.vllm.tensorParallelSize": 2}),
     Case("spec.generator", "generator.tensorParallelSize: use a power of two dividing the ranks per pod",
@@ -221,7 +224,7 @@ CASES = [
     Case("spec.generator", "generator.tensorParallelSize: use a power of two dividing the ranks per pod",
          bad={"spec.generator.gpusPerPod": 4, "spec.generator.tensorParallelSize": 8},
          good={"spec.generator.gpusPerPod": 8, "spec.generator.tensorParallelSize": 8},
-         also={"spec.generator.ranksPerPod": DELETE, "spec.generator.adaptiveTP": {"enabled": False}}),
+         also={**ON_GPUS, "spec.generator.ranksPerPod": DELETE, "spec.generator.adaptiveTP": {"enabled": False}}),
     Case("spec.generator", "generator.compileStep is engine pat's", base="vllm",
          bad={"spec.generator.compileStep": True}, good={"spec.generator.compileStep": False}),
     Case("spec.generator", "generator.tensorParallelSize is engine pat's fixed layout", base="vllm",
@@ -240,7 +243,7 @@ CASES = [
          bad={"spec.generator.adaptiveTP.tpSizes": [2]}, good={"spec.generator.adaptiveTP.tpSizes": [1]}),
     Case("spec.generator.adaptiveTP", "generator.adaptiveTP.tpSizes: use powers of two (1, 2, 4, ...)",
          bad={"spec.generator.adaptiveTP.tpSizes": [1, 3]}, good={"spec.generator.adaptiveTP.tpSizes": [1, 2]},
-         also={"spec.generator.ranksPerPod": DELETE, "spec.generator.gpusPerPod": 4}),
+         also={**ON_GPUS, "spec.generator.ranksPerPod": DELETE, "spec.generator.gpusPerPod": 4}),
     Case("spec", "reward.overlongBuffer must be below algorithm.maxResponseTokens",
          bad={"spec.reward.overlongBuffer": 64}, good={"spec.reward.overlongBuffer": 63},
          also={"spec.algorithm.maxResponseTokens": 64}),
@@ -249,7 +252,16 @@ CASES = [
          also={"spec.generator.maxSeq": 128}),
     Case("spec", "the responses per iteration",
          bad={"spec.algorithm.promptsPerIteration": 1}, good={"spec.algorithm.promptsPerIteration": 2},
-         also={"spec.algorithm.samplesPerPrompt": 2, "spec.trainer": {"replicas": 2, "gpusPerPod": 0}}),
+         also={"spec.algorithm.samplesPerPrompt": 2, "spec.placement": "separate",
+               "spec.trainer": {"replicas": 2, "gpusPerPod": 0}}),
+    Case("spec", "spec.placement: colocated with generator.engine: vllm", base="vllm",
+         bad={"spec.placement": "colocated"}, good={"spec.placement": "separate"}),
+    # Colocated (examples/local.yaml), a trainer pod field that is set must be the generator's.
+    *[Case("spec", f"spec.placement: colocated runs both roles in the generator pods: trainer.{name} differs",
+           bad={f"spec.trainer.{name}": bad}, good={f"spec.trainer.{name}": good})
+      for name, bad, good in (("replicas", 2, 1), ("gpusPerPod", 1, 0), ("ranksPerPod", 1, 2),
+                              ("image", "example.com/other:1", api.Generator.model_fields["image"].default),
+                              ("imagePullPolicy", "Always", "IfNotPresent"))],
     Case("spec", "algorithm.maxTokensPerMicroBatch is below one whole sequence",
          bad={"spec.algorithm.maxTokensPerMicroBatch": 127}, good={"spec.algorithm.maxTokensPerMicroBatch": 128},
          also={"spec.generator.maxSeq": 128, "spec.algorithm.maxResponseTokens": 64}),
@@ -288,7 +300,7 @@ IMMUTABLE_EDITS: dict[str, Any] = {
     "reward": DELETE,  # set before
     "algorithm": {**example()["spec"]["algorithm"], "learningRate": 0.01},
     "placement": "separate",
-    "trainer": {"replicas": 2, "gpusPerPod": 0},
+    "trainer": {"replicas": 1, "gpusPerPod": 0, "env": [{"name": "PAT_EXAMPLE", "value": "1"}]},
     "generator": edited(example(), {"spec.generator.adaptiveTP.minGain": 0.5})["spec"]["generator"],
     "checkpoint": {"everyIterations": 5, "keep": 3},
     "scheduling": {"queueName": "team-a"},  # unset before

@@ -39,14 +39,15 @@ SHAPES = {"llama-3.1-8b.yaml": "llama-3.1-8b", "qwen3-14b.yaml": "qwen3-14b"}
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_pat_plan_fits_the_example_on_its_gpus(path):
     """Each example fits (pat_operator.fit's estimate) the GPUs its pods select; local.yaml runs on CPU. Separate:
-    a verdict per GPU role; colocated: one per phase (generate, train) of the pods' GPUs, and the placement's."""
+    a verdict per GPU role; colocated: one per phase (generate, train, hand-over) of the pods' GPUs, and the
+    placement's."""
     model = ["--model", SHAPES[path.name]] if path.name in SHAPES else []
     out = subprocess.run([str(PAT), "plan", str(path), *model], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     spec = parse_job(yaml.safe_load(path.read_text())).spec
     if spec.placement == "colocated":
         on_gpus = spec.generator.gpus_per_pod > 0
-        assert out.stdout.count("  fits\n") == 2 * on_gpus and out.stdout.count("CPU (no GPU") == 1 - on_gpus
+        assert out.stdout.count("  fits\n") == 3 * on_gpus and out.stdout.count("CPU (no GPU") == 1 - on_gpus
         assert ("\ncolocated fits\n" in out.stdout) == on_gpus and "DOES NOT FIT" not in out.stdout
         return
     gpu_roles = sum(template.gpus_per_pod > 0 for template in (spec.trainer, spec.generator))

@@ -245,13 +245,15 @@ def test_the_start_up_check_on_cpu():
                               f"{s.algorithm.max_tokens_per_micro_batch}, more than the "
                               f"{fit.gib(need * 0.9)} usable of the {fit.gib(need)} free on cpu (10% kept free)")
     assert s.placement == "colocated"
-    # Enough for the trainer rank alone, not for the engine rank beside it (its weights in both phases).
-    generate, train = fit.budgets(s, shape, "colocated", need / 0.9 + 1)
-    assert not (train.fits or generate.fits)
+    # Enough for the trainer rank alone, which is what the train phase holds (the engine asleep, its weights released
+    # too), not for the engine's weights and KV cache beside the trainer's states.
+    generate, train, handover = fit.budgets(s, shape, "colocated", need / 0.9 + 1)
+    assert train.fits and handover.fits and not generate.fits
+    assert train.need == need
     message = fit.check_free(s, shape, free_bytes=need / 0.9 + 1, device="cpu")
     assert message.startswith("spec.") and (f"a rank of colocated tiny llama demo (a trainer rank and an engine rank) "
-                                            f"needs {fit.gib(generate.need)} to generate (resident ") in message
-    assert f"; and {fit.gib(train.need)} to train (resident " in message
+                                            f"needs {fit.gib(generate.need)} to generate (the trainer's states ") in message
+    assert "to train" not in message.split("; with ")[0]  # a phase that fits is not named a problem
     assert fit.check_free(s, shape, free_bytes=max(generate.need, train.need) / 0.9 + 1) is None
 
 
@@ -266,7 +268,7 @@ def test_pat_plan_and_validate_refuse_a_job_that_does_not_fit_and_accept_it_on_m
     doc = job("local.yaml", placement="separate")
     h100 = {fit.GPU_PRODUCT_LABEL: "NVIDIA-H100-80GB-HBM3"}
     doc["spec"]["model"] = {"tiny": {"preset": "llama-8b"}, "dtype": "bfloat16"}
-    doc["spec"]["generator"] = {"gpusPerPod": 2, "maxSeq": doc["spec"]["generator"]["maxSeq"], "nodeSelector": h100}
+    doc["spec"]["generator"] = {"gpusPerPod": 2, "maxSeq": doc["spec"]["generator"]["maxSeq"], "memoryUtilization": 0.75, "nodeSelector": h100}
     for gpus, code in ((1, 2), (8, 0)):
         doc["spec"]["trainer"] = {"gpusPerPod": gpus, "nodeSelector": h100}
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
@@ -321,7 +323,7 @@ def test_pat_plan_says_how_many_sequences_the_kv_cache_holds(capsys, tmp_path):
         ("  KV cache per GPU: 406,048 tokens, 44 concurrent sequences of maxSeq=9216 (all that memoryUtilization "
          "leaves room for; maxBatch=128)"),
         ("colocated on the same 24 GPUs (3 pods x 8) would fit: 39 sequences of maxSeq per GPU's KV cache while "
-         "generating, train 33.2 GiB of 71.7 GiB while training")]
+         "generating; train 18.0 GiB of 71.7 GiB, hand-over 20.2 GiB of 71.7 GiB")]
     capped = tmp_path / "capped.yaml"
     capped.write_text(example.read_text().replace("maxBatch: 128", "maxBatch: 16"))
     code, out, _ = run(capsys, "plan", str(capped), "--model", "llama-3.1-8b")
@@ -330,8 +332,9 @@ def test_pat_plan_says_how_many_sequences_the_kv_cache_holds(capsys, tmp_path):
 
 
 def test_pat_plan_on_a_colocated_job_prints_both_phases(capsys):
-    """The example as it is: one H100 of the 3 colocated pods, resident (the trainer's states and the engine's
-    weights), each phase's working set, each phase against its limit, the KV cache and the placement's verdict."""
+    """The example as it is: one H100 of the 3 colocated pods, resident (the trainer's states), each phase's working
+    set (the engine's weights in generating and the hand-over), each phase against its limit, the KV cache and the
+    placement's verdict."""
     code, out, _ = run(capsys, "plan", str(ROOT / "examples" / "llama-3.1-8b.yaml"), "--model", "llama-3.1-8b")
     assert code == 0, out
     lines = out.splitlines()
@@ -339,10 +342,11 @@ def test_pat_plan_on_a_colocated_job_prints_both_phases(capsys):
                         "tokens) and an engine rank")
     assert "    AdamW moments (fp32, 1/24)                           2.5 GiB" in lines
     assert "    engine weights (bfloat16, the whole model)          15.0 GiB" in lines
-    assert lines[-5:] == [
-        "  resident                                              19.9 GiB",
+    assert lines[-6:] == [
+        "  resident                                               5.0 GiB",
         "  generate: resident + its working set                  71.7 GiB of 71.7 GiB  fits",
-        "  train: resident + its working set                     33.2 GiB of 71.7 GiB  fits",
+        "  train: resident + its working set                     18.0 GiB of 71.7 GiB  fits",
+        "  hand-over: resident + its working set                 20.2 GiB of 71.7 GiB  fits",
         ("  KV cache per GPU: 368,240 tokens, 39 concurrent sequences of maxSeq=9216 (all that memoryUtilization "
          "leaves room for; maxBatch=128)"),
         "colocated fits"]
@@ -381,24 +385,27 @@ def test_trainer_resident_bytes_with_and_without_cpu_offload():
 
 
 def test_a_colocated_gpu_by_phase():
-    """One H100 of the example: resident, the trainer's states and the engine's weights; generating, the engine's
-    working memory and the KV cache, which gets what memoryUtilization leaves after the trainer's resident states
-    (39 sequences, 44 separate); training, the gradients and the trainer's buffers and a weight-sync bucket."""
+    """One H100 of the example: resident, the trainer's states; generating, the engine's weights, working memory and
+    KV cache, which gets what memoryUtilization leaves after the trainer's resident states (39 sequences, 44
+    separate); training, the gradients and the trainer's buffers (the engine asleep at level 2 holds nothing); the
+    hand-over, the engine's weights again and a weight-sync bucket."""
     s = colocated()
     m = fit.colocated_memory(s, LLAMA, H100)
     resident, weights = 16 * P / 24, 2 * P
     working = 9216 * 200_832 + 3 * 4 * 128 * 8 * 128256
-    assert m.resident_bytes == resident + weights and dict(m.resident)["engine weights (bfloat16, the whole model)"]
+    assert m.resident_bytes == resident
+    assert m.generate[0] == ("engine weights (bfloat16, the whole model)", weights)
     room = int((0.9 * H100 - weights - working - resident) / (2 * MIB * 1.08))
     assert fit.kv_blocks(s, LLAMA, H100) == (room, room) and room // 576 == 39
     assert fit.kv_blocks(spec(), LLAMA, H100)[0] // 576 == 44  # negative control: separate, no trainer beside
-    assert m.generate[1] == ("engine KV cache (39 x 9216 tokens)", room * 2 * MIB)
+    assert m.generate[2] == ("engine KV cache (39 x 9216 tokens)", room * 2 * MIB)
     assert m.generate_bytes == pytest.approx(resident + weights + working + 1.08 * room * 2 * MIB)
     assert m.generate_bytes <= 0.9 * H100
     buffers = fit.trainer_memory(s, LLAMA).total - sum(b for label, b in fit.trainer_memory(s, LLAMA).terms
                                                        if "1/24" in label)
-    assert m.train_bytes == pytest.approx(resident + weights + 4 * P / 24 + buffers + 256 * MIB)
-    assert m.train_bytes / GIB == pytest.approx(33.2, abs=0.05)
+    assert m.train_bytes == pytest.approx(resident + 4 * P / 24 + buffers) == fit.trainer_memory(s, LLAMA).total
+    assert m.train_bytes / GIB == pytest.approx(18.0, abs=0.05)
+    assert m.handover_bytes == resident + weights + 256 * MIB
     assert fit.WEIGHT_SYNC_BUCKET_BYTES == weightsync.BUCKET_BYTES
 
 
@@ -408,7 +415,7 @@ def test_the_phases_alternate_so_the_larger_one_counts():
     s = colocated()
     m = fit.colocated_memory(s, LLAMA, H100)
     assert fit.problems(s, LLAMA, fit.role_gpus(s)) == [] and fit.role_gpus(s) == {"colocated": fit.GPUS["H100-SXM"]}
-    assert max(m.generate_bytes, m.train_bytes) <= fit.usable(H100)
+    assert max(m.generate_bytes, m.train_bytes, m.handover_bytes) <= fit.usable(H100)
     not_released = m.resident_bytes + sum(b for _, b in m.generate) + sum(b for _, b in m.train)
     assert not_released > fit.usable(H100)  # 85 GiB of 71.7
 
@@ -419,31 +426,35 @@ def test_a_colocated_job_that_does_not_fit_names_the_field_and_the_numbers_of_ea
     (message,) = fit.problems(s, LLAMA, fit.role_gpus(s))
     assert message == (
         "spec.generator.gpusPerPod: with gpusPerPod=2, a GPU of colocated llama-3.1-8b (a trainer rank and an engine "
-        "rank) needs 78.1 GiB to generate (resident 74.8 GiB: the trainer's states 59.8 GiB, the engine's weights "
-        "15.0 GiB; the engine's working memory and the KV cache of one sequence of 9216 tokens 3.3 GiB), more than "
-        "the 71.7 GiB that memoryUtilization=0.9 allows of an H100-SXM's 79.6 GiB; and 101.8 GiB to train (resident "
-        "74.8 GiB: the trainer's states 59.8 GiB, the engine's weights 15.0 GiB; gradients, activations and buffers "
-        "27.0 GiB), more than the 71.7 GiB usable of an H100-SXM's 79.6 GiB (10% kept free); with gpusPerPod=4: "
-        "generate 48.5 GiB of 71.7 GiB, train 64.4 GiB of 71.7 GiB; also fits: generator.replicas=2 (generate "
-        "48.2 GiB of 71.7 GiB, train 64.4 GiB of 71.7 GiB), trainer.cpuOffload=true (generate 18.3 GiB of 71.7 GiB, "
-        "train 27.0 GiB of 71.7 GiB)")
-    # The train phase alone: generating fits, and the message says so.
-    (message,) = fit.problems(colocated(**{"trainer.activationCheckpointing": False}), LLAMA, fit.role_gpus(s))
-    assert message.startswith("spec.trainer.activationCheckpointing: with activationCheckpointing=false, a GPU of "
-                              "colocated llama-3.1-8b (a trainer rank and an engine rank) needs 24.3 GiB to generate")
-    assert "within the 71.7 GiB that memoryUtilization=0.9 allows" in message
-    assert "to train (resident 19.9 GiB: the trainer's states 5.0 GiB, the engine's weights 15.0 GiB; " in message
-    assert message.endswith("with activationCheckpointing=true: generate 24.3 GiB of 71.7 GiB, train 33.2 GiB of "
-                            "71.7 GiB")
+        "rank) needs 78.1 GiB to generate (the trainer's states 59.8 GiB; the engine's weights 15.0 GiB, its working "
+        "memory and the KV cache of one sequence of 9216 tokens 3.3 GiB), more than the 71.7 GiB that "
+        "memoryUtilization=0.9 allows of an H100-SXM's 79.6 GiB; and 86.6 GiB to train (the trainer's states "
+        "59.8 GiB; gradients, activations and buffers 26.8 GiB), more than the 71.7 GiB usable of an H100-SXM's "
+        "79.6 GiB (10% kept free); and 75.0 GiB to hand the weights over (the trainer's states 59.8 GiB; the "
+        "engine's weights 15.0 GiB and a bucket in transit), more than the 71.7 GiB usable of an H100-SXM's 79.6 GiB "
+        "(10% kept free); with gpusPerPod=4: generate 48.5 GiB of 71.7 GiB, train 49.2 GiB of 71.7 GiB, hand-over "
+        "45.1 GiB of 71.7 GiB; also fits: generator.replicas=2 (generate 48.2 GiB of 71.7 GiB, train 49.2 GiB of "
+        "71.7 GiB, hand-over 45.1 GiB of 71.7 GiB), trainer.cpuOffload=true (generate 18.3 GiB of 71.7 GiB, train "
+        "11.8 GiB of 71.7 GiB, hand-over 15.2 GiB of 71.7 GiB)")
+    # The train phase alone: only it is named, and the least change of the micro-batch that fits comes first.
+    (message,) = fit.problems(colocated(**{"trainer.activationCheckpointing": False,
+                                           "algorithm.maxTokensPerMicroBatch": 16384}), LLAMA, fit.role_gpus(s))
+    assert message.startswith("spec.algorithm.maxTokensPerMicroBatch: with maxTokensPerMicroBatch=16384, a GPU of "
+                              "colocated llama-3.1-8b (a trainer rank and an engine rank) needs 109.0 GiB to train "
+                              "(the trainer's states 5.0 GiB; gradients, activations and buffers 104.0 GiB)")
+    assert "to generate" not in message
+    assert message.endswith("also fits: trainer.activationCheckpointing=true (generate 24.3 GiB of 71.7 GiB, train "
+                            "18.0 GiB of 71.7 GiB, hand-over 20.2 GiB of 71.7 GiB)")
 
 
 def test_pat_validate_and_plan_refuse_a_colocated_job_that_does_not_fit(tmp_path, capsys):
-    """A tiny preset of Llama-3.1-8B's shape on one colocated pod of H100s: 2 GPUs are too few (separate they would
-    do), 8 fit."""
+    """A tiny preset of Llama-3.1-8B's shape on one colocated pod of H100s, its engines allowed 75% of each: on 2
+    GPUs the trainer's states and the engine's weights are too much to generate in (separate they would do), on 8
+    they fit."""
     doc = job("local.yaml", placement="colocated")
     doc["spec"]["model"] = {"tiny": {"preset": "llama-8b"}, "dtype": "bfloat16"}
     doc["spec"]["trainer"] = {}
-    doc["spec"]["generator"] = {"gpusPerPod": 2, "maxSeq": doc["spec"]["generator"]["maxSeq"],
+    doc["spec"]["generator"] = {"gpusPerPod": 2, "maxSeq": doc["spec"]["generator"]["maxSeq"], "memoryUtilization": 0.75,
                                 "nodeSelector": {fit.GPU_PRODUCT_LABEL: "NVIDIA-H100-80GB-HBM3"}}
     for gpus, code in ((2, 2), (8, 0)):
         doc["spec"]["generator"]["gpusPerPod"] = gpus
@@ -452,12 +463,13 @@ def test_pat_validate_and_plan_refuse_a_colocated_job_that_does_not_fit(tmp_path
         validated, _, verr = run(capsys, "validate", str(tmp_path / "job.yaml"))
         assert (planned, validated) == (code, code), err + verr
         if code:
-            assert "job.yaml does not fit:\n  spec.generator.gpusPerPod: with gpusPerPod=2, a GPU of colocated " in err
+            assert ("job.yaml does not fit:\n  spec.generator.memoryUtilization: with memoryUtilization=0.75, a GPU of "
+                    "colocated " in err and "; also fits: generator.gpusPerPod=4 (" in err)
             assert err.split("\n", 1)[1] == verr.split("\n", 1)[1]  # the same message
-            # Training over 2 ranks beside the engine's weights is over; each role on GPUs of its own is not.
-            assert out.splitlines()[-1] == ("colocated does not fit: train 78.8 GiB of 71.7 GiB; separate (the trainer "
-                                            "on 2 GPUs of its own) would: trainer 63.6 GiB of 71.7 GiB, generator "
-                                            "15.9 GiB of 71.7 GiB")
+            # Generating beside the trainer's states over 2 ranks is over; each role on GPUs of its own is not.
+            assert out.splitlines()[-1] == ("colocated does not fit: generate 60.8 GiB of 59.7 GiB; separate (the "
+                                            "trainer on 2 GPUs of its own) would: trainer 63.6 GiB of 71.7 GiB, "
+                                            "generator 15.9 GiB of 59.7 GiB")
         else:
             assert err == verr == "" and out.endswith("\ncolocated fits\n")
 

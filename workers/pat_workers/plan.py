@@ -112,10 +112,13 @@ def _colocated_table(job: RLHFJob, shape: ModelShape, gpus: dict[str, GPU | None
              "  resident (both phases):", *_terms(phases.resident, indent="    ", width=COLOCATED_WIDTH),
              *_terms(phases.host, " (host)", indent="    ", width=COLOCATED_WIDTH),
              "  generating, beside it:", *_terms(phases.generate, indent="    ", width=COLOCATED_WIDTH),
-             "  training, beside it (the KV cache released):",
+             "  training, beside it (the engine asleep: weights and KV cache released):",
              *_terms(phases.train, indent="    ", width=COLOCATED_WIDTH),
+             "  handing the weights over, beside it (the gradients freed):",
+             *_terms(phases.handover, indent="    ", width=COLOCATED_WIDTH),
              f"  {'resident':<{COLOCATED_WIDTH}}{gib(phases.resident_bytes):>10}"]
-    for name, total in (("generate", phases.generate_bytes), ("train", phases.train_bytes)):
+    for name, total in (("generate", phases.generate_bytes), ("train", phases.train_bytes),
+                        ("hand-over", phases.handover_bytes)):
         limit = limits.get(name)
         verdict = "" if limit is None else f" of {gib(limit.allowed)}  {'fits' if limit.fits else 'DOES NOT FIT'}"
         lines.append(f"  {name + ': resident + its working set':<{COLOCATED_WIDTH}}{gib(total):>10}{verdict}")
@@ -157,8 +160,8 @@ def _colocated_instead(spec: RLHFJobSpec, shape: ModelShape, gpus: dict[str, GPU
     if not all(b.fits for b in limits):
         return f"{where} would not fit: {_limits([b for b in limits if not b.fits])}"
     held = kv_blocks(colocated, shape, device.memory_bytes)[0] // sequence_blocks(colocated)
-    return (f"{where} would fit: {held} sequences of maxSeq per GPU's KV cache while generating, "
-            f"{_limits(limits[1:])} while training")
+    return (f"{where} would fit: {held} sequences of maxSeq per GPU's KV cache while generating; "
+            f"{_limits(limits[1:])}")
 
 
 def _concurrent(spec: RLHFJobSpec, shape: ModelShape, device: GPU) -> str:
