@@ -85,6 +85,8 @@ simulate: $(STAMP)
 
 # On one GPU, <= 8 minutes, results in bench/results/ (GPU_CHECK_OUT=DIR to change): one trainer step of a
 # Qwen2.5-1.5B-shaped model, peak memory vs the fit check and MFU (gpu-check-trainer.json; docs/trainer-memory.md);
+# placement colocated (gpu-check-colocated.json): what an engine rank of a Llama-3.1-8B-shaped model frees asleep at
+# levels 1 and 2, the in-pod weight hand-over from a trainer rank's process (CUDA IPC: GB/s, checked), 10 rounds;
 # then the engine (gpu-check-engine.json; docs/benchmarks.md): Engine.step() of a Llama-3.1-8B-shaped model at batch
 # 1 and 128 against the HBM roofline, host time per step, eager vs CUDA graphs, the example's sequences per GPU,
 # `pat simulate`'s engine profile (gpu-check-engine-profile.json: one rank's shard per TP size) and regroups of 2 and 4

@@ -55,6 +55,9 @@ class PagedKV:
         if any(self.refs[1:]):
             raise RuntimeError(f"{sum(r > 0 for r in self.refs[1:])} KV block(s) are in use: release the pool "
                                f"between batches")
+        # Views of the pool can outlive it (compiled attention's first call leaves some in reference cycles until a
+        # garbage collection): resized to nothing, its storage is freed whoever holds one.
+        self.data.untyped_storage().resize_(0)
         self.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self._mask = None
 
