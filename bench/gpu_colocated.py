@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import secrets
 import statistics
@@ -342,10 +341,7 @@ def main() -> int:
                if data.get(name, {}).get("status") == "done" and not data[name]["pass"]]
     if data["trainer_exitcode"] != 0:
         failed.append(f"trainer rank (exit {data['trainer_exitcode']})")
-    data["failed"] = failed
-    results.save()
-    print(json.dumps(data))
-    return 1 if failed else 0
+    return results.finish(failed)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,13 @@ class Results:
         self.save()
         print(f"[{name}] {result['status']} in {result['seconds']} s", flush=True)
 
+    def finish(self, failed: list[str]) -> int:
+        """Records what failed, saves, prints the JSON as the last line; the exit status."""
+        self.data["failed"] = failed
+        self.save()
+        print(json.dumps(self.data))
+        return 1 if failed else 0
+
 
 def watchdog(results: Results, seconds: float) -> None:
     """After `seconds`: record where the run was, save, dump every thread's stack and exit (3). A C-level backstop
@@ -864,10 +871,7 @@ def main() -> int:
     failed = [name for name in ("model", *SECTIONS) if data.get(name, {}).get("status") == "error"]
     if data.get("regroup", {}).get("status") == "done" and not data["regroup"]["pass"]:
         failed.append("regroup (correctness)")
-    data["failed"] = failed
-    results.save()
-    print(json.dumps(data))
-    return 1 if failed else 0
+    return results.finish(failed)
 
 
 if __name__ == "__main__":
