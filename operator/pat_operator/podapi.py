@@ -141,7 +141,7 @@ class PodState(_Model):
     engine: Literal["pat", "vllm"] = "pat"
     dtype: str
     memory: Literal["held", "released"] = Field("held", description="released after POST /v1/sleep: the ranks hold "
-                                                "their weights only, and take no batch until POST /v1/wake_up")
+                                                "their weights at most, and take no batch until POST /v1/wake_up")
     weights: Literal["held", "released"] = Field("held", description="released after POST /v1/sleep?level=2: the "
                                                  "pod wakes up only once a weight update has written new ones")
     memory_bytes: list[int] = Field([], description="each rank's memory at its last sleep or wake-up: the process's "

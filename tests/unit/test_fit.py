@@ -251,8 +251,9 @@ def test_the_start_up_check_on_cpu():
     assert train.fits and handover.fits and not generate.fits
     assert train.need == need
     message = fit.check_free(s, shape, free_bytes=need / 0.9 + 1, device="cpu")
-    assert message.startswith("spec.") and (f"a rank of colocated tiny llama demo (a trainer rank and an engine rank) "
-                                            f"needs {fit.gib(generate.need)} to generate (the trainer's states ") in message
+    assert message.startswith("spec.")
+    assert (f"a rank of colocated tiny llama demo (a trainer rank and an engine rank) needs {fit.gib(generate.need)} "
+            f"to generate (the trainer's states ") in message
     assert "to train" not in message.split("; with ")[0]  # a phase that fits is not named a problem
     assert fit.check_free(s, shape, free_bytes=max(generate.need, train.need) / 0.9 + 1) is None
 
@@ -268,7 +269,7 @@ def test_pat_plan_and_validate_refuse_a_job_that_does_not_fit_and_accept_it_on_m
     doc = job("local.yaml", placement="separate")
     h100 = {fit.GPU_PRODUCT_LABEL: "NVIDIA-H100-80GB-HBM3"}
     doc["spec"]["model"] = {"tiny": {"preset": "llama-8b"}, "dtype": "bfloat16"}
-    doc["spec"]["generator"] = {"gpusPerPod": 2, "maxSeq": doc["spec"]["generator"]["maxSeq"], "memoryUtilization": 0.75, "nodeSelector": h100}
+    doc["spec"]["generator"] = {"gpusPerPod": 2, "maxSeq": doc["spec"]["generator"]["maxSeq"], "nodeSelector": h100}
     for gpus, code in ((1, 2), (8, 0)):
         doc["spec"]["trainer"] = {"gpusPerPod": gpus, "nodeSelector": h100}
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
@@ -454,7 +455,8 @@ def test_pat_validate_and_plan_refuse_a_colocated_job_that_does_not_fit(tmp_path
     doc = job("local.yaml", placement="colocated")
     doc["spec"]["model"] = {"tiny": {"preset": "llama-8b"}, "dtype": "bfloat16"}
     doc["spec"]["trainer"] = {}
-    doc["spec"]["generator"] = {"gpusPerPod": 2, "maxSeq": doc["spec"]["generator"]["maxSeq"], "memoryUtilization": 0.75,
+    doc["spec"]["generator"] = {"gpusPerPod": 2, "maxSeq": doc["spec"]["generator"]["maxSeq"],
+                                "memoryUtilization": 0.75,
                                 "nodeSelector": {fit.GPU_PRODUCT_LABEL: "NVIDIA-H100-80GB-HBM3"}}
     for gpus, code in ((2, 2), (8, 0)):
         doc["spec"]["generator"]["gpusPerPod"] = gpus

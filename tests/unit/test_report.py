@@ -137,3 +137,18 @@ def test_the_plots_show_whole_requests_and_keep_legends_off_the_data(tmp_path):
                                                                   "fixed TP=1", "fixed TP=2"]
     assert panels[0].get_title() == "iter-1: 2.00 s (fixed TP1 2.00, TP2 2.00)"
     plt.close(fig)
+
+
+def test_learning_tells_a_trend_from_noise():
+    """The scores (rounded) of an e2e run whose last quarter beat the first by only 2.9 of their standard errors: its
+    trend over all 20 iterations is 4.7 standard errors. The same scores in a shuffled order (the negative control)
+    show no trend, with the same values."""
+    scores = [0.03, 0.05, 0.11, 0.15, 0.12, 0.14, 0.2, 0.17, 0.18, 0.14, 0.17, 0.27, 0.17, 0.18, 0.16, 0.2, 0.2, 0.3,
+              0.35, 0.65]
+    rising = report.learning([{"score_mean": s} for s in scores], "score_mean")
+    assert rising["iterations_compared"] == 5 and rising["z"] == pytest.approx(2.89, abs=0.01)
+    assert rising["slope"] == pytest.approx(0.0162, abs=1e-4) and rising["trend_t"] == pytest.approx(4.67, abs=0.01)
+    shuffled = [scores[i] for i in (7, 19, 2, 12, 0, 15, 9, 4, 17, 11, 1, 14, 6, 18, 3, 10, 16, 5, 13, 8)]
+    flat = report.learning([{"score_mean": s} for s in shuffled], "score_mean")
+    assert abs(flat["trend_t"]) < 1.5, flat
+    assert report.learning([{"score_mean": 0.1}] * 3, "score_mean")["iterations_compared"] == 0  # too few

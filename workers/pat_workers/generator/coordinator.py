@@ -214,7 +214,8 @@ class Coordinator:
             policy_version=self.gen.policy_version, batch_id=self._batch.batch_id if self._batch else None,
             batch_done=not self._generating(), controller=self.config.controller, world=self.gen.world,
             weight_receivers=self.gen.world, dtype=self.config.options.dtype,
-            memory="held" if self.gen.memory_held else "released", weights="held" if self.gen.weights_held else "released",
+            memory="held" if self.gen.memory_held else "released",
+            weights="held" if self.gen.weights_held else "released",
             memory_bytes=[self.gen.memory_bytes.get(r, 0) for r in range(self.gen.world)] if self.gen.memory_bytes
             else [])
 
@@ -467,7 +468,8 @@ class Coordinator:
             self.gen.set_memory(False, weights=level == 2)
             log.info("memory released (level %d): %s", level, _sizes(self.gen.memory_bytes))
         elif level == 2 and self.gen.weights_held:
-            raise Conflict("level: the pod sleeps at level 1, its weights held; POST /v1/wake_up, then sleep at level 2")
+            raise Conflict("level: the pod sleeps at level 1, its weights held; POST /v1/wake_up, then sleep at "
+                           "level 2")
         return self._snapshot()
 
     def wake_up(self) -> PodState:
