@@ -1,7 +1,7 @@
 """`pat plan JOB.yaml`: will the job fit? The memory of one trainer rank and one generator engine rank, term by term
 (pat_operator.fit's estimate), against the GPUs the pods select, and how many sequences of maxSeq an engine rank's
 KV cache holds there; exits 2 naming the field to change when a role does not fit. Colocated, one GPU's both ranks
-through both phases (resident, generating, training), and whether the job would fit separate; separate, whether it
+through its phases (resident, generating, training, handing the weights over), and whether the job would fit separate; separate, whether it
 would fit colocated on the same GPUs. Torch-free, like the estimate.
 """
 
@@ -109,7 +109,7 @@ def _colocated_table(job: RLHFJob, shape: ModelShape, gpus: dict[str, GPU | None
              f"over {spec.trainer.world_size}, micro-batches of {spec.algorithm.max_tokens_per_micro_batch} tokens) "
              f"and an engine rank",
              f"  per {unit}, on {_device(spec, 'colocated', gpus)}:",
-             "  resident (both phases):", *_terms(phases.resident, indent="    ", width=COLOCATED_WIDTH),
+             "  resident (every phase):", *_terms(phases.resident, indent="    ", width=COLOCATED_WIDTH),
              *_terms(phases.host, " (host)", indent="    ", width=COLOCATED_WIDTH),
              "  generating, beside it:", *_terms(phases.generate, indent="    ", width=COLOCATED_WIDTH),
              "  training, beside it (the engine asleep: weights and KV cache released):",
