@@ -1,8 +1,8 @@
 """`pat plan JOB.yaml`: will the job fit? The memory of one trainer rank and one generator engine rank, term by term
 (pat_operator.fit's estimate), against the GPUs the pods select, and how many sequences of maxSeq an engine rank's
 KV cache holds there; exits 2 naming the field to change when a role does not fit. Colocated, one GPU's both ranks
-through its phases (resident, generating, training, handing the weights over), and whether the job would fit separate; separate, whether it
-would fit colocated on the same GPUs. Torch-free, like the estimate.
+through its phases (resident, generating, training, handing the weights over), and whether the job would fit
+separate; separate, whether it would fit colocated on the same GPUs. Torch-free, like the estimate.
 """
 
 from __future__ import annotations
