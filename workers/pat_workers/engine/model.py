@@ -320,10 +320,6 @@ class Transformer:
         """Gives back every prepacked shard (an engine that releases its memory); shard() packs again."""
         self._packed = {}
 
-    @property
-    def weights_held(self) -> bool:
-        return not self._released
-
     def release_weights(self) -> None:
         """Gives back the weights' memory and keeps every tensor (and view) of them, with its shape, for
         reserve_weights; their values are lost. FSDP2 frees and refills its unsharded parameters the same way
