@@ -18,7 +18,10 @@ venv (scripts/vllm-venv.sh; PAT_VLLM_PYTHON or --vllm-python for another), float
 cache, prefix caching off (this engine has none; repeats would hit it).
 
 Prints a table and, last, one JSON line (`pat_adaptive_over_vllm_best`: adaptive's seconds over the faster vLLM
-layout's; `pat_best_fixed_over_vllm_best`: this engine's faster fixed layout over it; targets <= 1.10 both). Not a test: it measures. About 6 minutes on 2 cores (4 vLLM starts of ~23 s); --quick about 70 s.
+layout's; `pat_best_fixed_over_vllm_best`: this engine's faster fixed layout over it; targets <= 1.10 both), with
+bench/weight_sync.py's keys after the runs (a pod of each engine receiving the same weights: `vllm_weight_sync_over_pat`
+<= 1.5, `vllm_weight_sync_disk_bytes` 0). Not a test: it measures. About 7 minutes on 2 cores (5 vLLM starts of
+~23 s); --quick about 2 minutes.
   python bench/engines.py            # 32 sequences, cap 512, 2 runs per layout
   python bench/engines.py --quick    # 8 sequences, cap 64
 """
@@ -49,17 +52,10 @@ from pat_workers.engine.sampling import SamplingParams
 from pat_workers.engine.tiny import PRESETS
 from pat_workers.sim.lengths import lognormal_lengths
 from tail import medians, model_and_options, planner_inputs, requests, run_alternating
+from weight_sync import measure as measure_weight_sync, vllm_python
 
-ROOT = Path(__file__).resolve().parent.parent
 SERVED_NAME = "bench"
 START_TIMEOUT = 300.0
-
-
-def vllm_python(given: str | None) -> str:
-    if given:
-        return given
-    out = subprocess.run([str(ROOT / "scripts" / "vllm-venv.sh")], check=True, capture_output=True, text=True)
-    return out.stdout.strip().splitlines()[-1]
 
 
 def free_port() -> int:
@@ -280,6 +276,8 @@ def main() -> int:
                 else:
                     pat_round(configs[::-1])
                     vllm_round(vllm_layouts[::-1])
+    print("weight sync (bench/weight_sync.py), each engine's pod of 2 ranks:", flush=True)
+    weight_sync = measure_weight_sync(model_dir, python, rounds=args.repeats + 1, seed=args.seed)
 
     results: dict[str, dict] = {}
     for name, rs in vllm_runs.items():
@@ -328,6 +326,7 @@ def main() -> int:
         "vllm_tp2_identical_sequences": same,
         "sequences": len(lengths), "cap": args.cap, "max_length": max(lengths), "generated_tokens": total_tokens,
         "preset": args.preset, "repeats": args.repeats, "wall_s": round(wall, 1),
+        **weight_sync,
     }
     print(json.dumps(summary))
     return 0

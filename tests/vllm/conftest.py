@@ -8,6 +8,7 @@ narrower head (the `test` preset's 8 fails at the first request: "Unsupported CP
 from __future__ import annotations
 
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,13 @@ def vllm_model(tmp_path_factory) -> Path:
 
 
 def start_pod(name: str, model: Path, log_dir: Path, env: dict[str, str], *args: str, ranks: int = 2) -> Pod:
-    return Pod(name, model, log_dir, "--engine", "vllm", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
-               *args, ranks=ranks, env=env)
+    """A vLLM pod whose temporary files (its scratch directory, pat-vllm-*, among them) go under pod.tmp: a short
+    path, since the engines' sockets are in it (a Unix socket's path has at most 107 bytes)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    pod = Pod(name, model, log_dir, "--engine", "vllm", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+              *args, ranks=ranks, env={**env, "TMPDIR": str(tmp)})
+    pod.tmp = tmp
+    return pod
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 from pat_workers.engine.loader import load_weights
 from pat_workers.trainer.policy import Policy
 from pat_workers.weightsync import WeightSender
-from tests.generator.conftest import rollout
+from tests.generator.conftest import Reference, mismatched, rollout
 
 from .conftest import start_pod
 
@@ -56,19 +56,27 @@ def test_rollouts_carry_token_ids_and_the_policys_logprobs(vllm_pod, vllm_model)
         assert torch.allclose(torch.tensor(c["logprobs"]), expected, atol=TOL), (c, expected)
 
 
-def test_weights_sent_over_the_network_replace_vllms(vllm_pod, vllm_model):
+def test_weights_go_into_every_vllm_worker_through_the_group_and_never_through_a_file(vllm_pod, vllm_model):
+    """Each of the pod's 2 vLLM workers (one per engine of TP=1) joins the trainer's group as a member and loads
+    the buckets into its model as they arrive: afterwards both engines generate exactly what the trainer's new
+    weights give (greedy tokens and log-probabilities, against this project's engine as the reference), which
+    before the update they did not (the negative control), and the pod's scratch directory holds no file."""
     version = vllm_pod.state()["policy_version"]
     old = load_weights(vllm_model, torch.float32)
     g = torch.Generator().manual_seed(5)
     new = {name: w + 0.5 * w.std() * torch.randn(w.shape, generator=g) for name, w in old.items()}
     before = vllm_logprobs(vllm_pod, FIXED)
     assert torch.allclose(before, policy_logprobs(vllm_model, FIXED), atol=TOL)
-    # The negative control: without the sync vLLM does not compute what the new weights give.
-    assert (before - policy_logprobs(vllm_model, FIXED, new)).abs().max() > 50 * TOL
+    # One request per engine (the pod deals them round robin), greedy.
+    requests = [rollout(f"engine-{i}", FIXED[:5], 8) for i in range(2)]
+    reference = Reference(vllm_model, new)(requests)
+    assert mismatched(vllm_pod.generate("before-sync", requests, version), reference, TOL) == ["engine-0", "engine-1"]
 
-    sender = WeightSender("127.0.0.1:0", world=2)
+    world = 1 + vllm_pod.state()["weight_receivers"]
+    assert world == 3
+    sender = WeightSender("127.0.0.1:0", world=world)
     try:
-        vllm_pod.ok("POST", "/v1/weights", {"version": version + 1, "address": sender.address, "world": 2,
+        vllm_pod.ok("POST", "/v1/weights", {"version": version + 1, "address": sender.address, "world": world,
                                             "rank_offset": 1}, 202)
         sender.send({n: w.shape for n, w in new.items()}, iter(sorted(new.items())), version + 1)
         for _ in range(600):
@@ -78,10 +86,14 @@ def test_weights_sent_over_the_network_replace_vllms(vllm_pod, vllm_model):
     finally:
         sender.close()
     assert vllm_pod.state()["policy_version"] == version + 1
+    assert not mismatched(vllm_pod.generate("after-sync", requests, version + 1), reference, TOL)
     after = vllm_logprobs(vllm_pod, FIXED)
     assert torch.allclose(after, policy_logprobs(vllm_model, FIXED, new), atol=TOL), (after, before)
+    [scratch] = vllm_pod.tmp.glob("pat-vllm-*")
+    files = [p for p in scratch.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert not files, files
     # Rollouts carry the version that produced them; a batch for the old version is refused.
-    [c] = vllm_pod.generate("after-sync", [rollout("x", FIXED[:4], 3)], version + 1)
+    [c] = vllm_pod.generate("version", [rollout("x", FIXED[:4], 3)], version + 1)
     assert c["policy_version"] == version + 1
     status, reply = vllm_pod.call("POST", "/v1/rollouts", {"batch_id": "stale", "policy_version": version,
                                                            "requests": [rollout("y", FIXED[:4], 3)]})

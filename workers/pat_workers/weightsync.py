@@ -177,6 +177,7 @@ class WeightReceiver(_Member):
         host, port = parse_address(address)
         store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
         super().__init__(store, rank, world, backend, timeout)
+        self.address = address
 
     def receive(self, weights: dict[str, torch.Tensor], version: int,
                 shapes: Mapping[str, Sequence[int]] | None = None) -> None:
@@ -184,15 +185,7 @@ class WeightReceiver(_Member):
         expect. `shapes`: the tensors' shapes as sent, where they are held as views of another shape (the engine's
         fused weights, Transformer.hf_shapes). Raises WeightSyncError, weights unchanged, when any member refuses
         the round."""
-        prefix = self._begin()
-        dtypes = {str(t.dtype).removeprefix("torch.") for t in weights.values()}
-        self.store.set(f"{prefix}dtype/{self.rank}", dtypes.pop() if len(dtypes) == 1 else "mixed")
-        manifest = json.loads(self.store.get(f"{prefix}manifest"))
-        problem = check_manifest(manifest, weights, version, shapes or {})
-        if problem:
-            self.store.set(f"{prefix}refused/{self.rank}", f"rank {self.rank}: {problem}")
-        if self._refusals(problem is not None):
-            raise WeightSyncError(problem or f"weight version {manifest['version']} refused by another rank")
+        manifest = self._open(_held(weights, shapes), _dtype_of(weights), version)
         entries = manifest["tensors"]
         with torch.no_grad():
             for bucket in buckets(entries, weights[entries[0][0]].element_size(), manifest["bucket_bytes"]):
@@ -205,6 +198,38 @@ class WeightReceiver(_Member):
                 self._broadcast(flat)
                 for name, part in zip(names, flat.split([weights[n].numel() for n in names])):
                     weights[name].copy_(part.view_as(weights[name]))
+
+    def stream(self, shapes: Mapping[str, Sequence[int]], dtype: torch.dtype, version: int,
+               device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        """For a receiver that loads the tensors into a model of its own layout (vLLM's load_weights) rather than
+        into tensors of the sent shapes: votes on the round now (`shapes`: every tensor it expects; WeightSyncError
+        when any member refuses, before anything is loaded), then returns the tensors as they arrive, (name,
+        tensor) in sorted-name order, each a view of its bucket (one bucket held at a time)."""
+        manifest = self._open({name: tuple(shape) for name, shape in shapes.items()},
+                              str(dtype).removeprefix("torch."), version)
+        return self._arrivals(manifest, dtype, device)
+
+    def _arrivals(self, manifest: dict, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        entries = manifest["tensors"]
+        for bucket in buckets(entries, dtype.itemsize, manifest["bucket_bytes"]):
+            sizes = [math.prod(entries[i][1]) for i in bucket]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+            self._broadcast(flat)
+            for i, part in zip(bucket, flat.split(sizes)):
+                yield entries[i][0], part.view(entries[i][1])
+
+    def _open(self, held: Mapping[str, tuple[int, ...]], dtype: str, version: int) -> dict:
+        """Steps 1-3 of a round: publishes this member's dtype, checks the manifest against what it holds, and
+        votes. Returns the manifest, or raises WeightSyncError when any member refused."""
+        prefix = self._begin()
+        self.store.set(f"{prefix}dtype/{self.rank}", dtype)
+        manifest = json.loads(self.store.get(f"{prefix}manifest"))
+        problem = check_manifest(manifest, held, dtype, version)
+        if problem:
+            self.store.set(f"{prefix}refused/{self.rank}", f"rank {self.rank}: {problem}")
+        if self._refusals(problem is not None):
+            raise WeightSyncError(problem or f"weight version {manifest['version']} refused by another rank")
+        return manifest
 
 
 def _manifest(shapes: Mapping[str, Sequence[int]], version: int, dtype: str, bucket_bytes: int) -> dict:
@@ -220,23 +245,32 @@ def _next_announced(stream: Iterator[tuple[str, torch.Tensor]], announced: str) 
     return tensor
 
 
-def check_manifest(manifest: dict, weights: dict[str, torch.Tensor], version: int,
-                   shapes: Mapping[str, Sequence[int]]) -> str | None:
-    """Why a receiver refuses the round's manifest (another version, model or dtype), or None."""
+def check_manifest(manifest: dict, held: Mapping[str, tuple[int, ...]], dtype: str, version: int) -> str | None:
+    """Why a receiver that holds tensors of shapes `held` in `dtype` ("mixed" for several) refuses the round's
+    manifest (another version, model or dtype), or None."""
     if manifest["version"] != version:
         return (f"the trainer sent version {manifest['version']}, this pod expects version {version} "
                 f"(POST /v1/weights announces the version the next send carries)")
     sent = {name: tuple(shape) for name, shape in manifest["tensors"]}
-    held = {name: tuple(shapes.get(name, t.shape)) for name, t in weights.items()}
     if sent.keys() != held.keys():
         return (f"the trainer's tensors differ from this replica's: missing {sorted(held.keys() - sent.keys())}, "
                 f"unexpected {sorted(sent.keys() - held.keys())}; both must be the same model")
     wrong = [f"{n} {sent[n]} vs {held[n]}" for n in sorted(sent) if sent[n] != held[n]]
     if wrong:
         return f"tensor shapes differ (sent vs held): {', '.join(wrong[:5])}"
-    if any(str(t.dtype).removeprefix("torch.") != manifest["dtype"] for t in weights.values()):
-        return f"the trainer sends {manifest['dtype']}, this replica holds other dtypes"
+    if dtype != manifest["dtype"]:
+        return f"the trainer sends {manifest['dtype']}, this replica holds {dtype}"
     return None
+
+
+def _held(weights: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]] | None) -> dict:
+    """Each held tensor's shape as sent: `shapes` where given (views of another shape), else its own."""
+    return {name: tuple((shapes or {}).get(name, t.shape)) for name, t in weights.items()}
+
+
+def _dtype_of(weights: Mapping[str, torch.Tensor]) -> str:
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in weights.values()}
+    return dtypes.pop() if len(dtypes) == 1 else "mixed"
 
 
 def handover_address(token: str) -> str:
@@ -325,10 +359,10 @@ class DeviceReceiver:
                 shapes: Mapping[str, Sequence[int]] | None = None) -> None:
         """As WeightReceiver.receive: every tensor of `weights` overwritten in place, or WeightSyncError with the
         weights unchanged when a receiver refused."""
-        dtypes = {str(t.dtype).removeprefix("torch.") for t in weights.values()}
-        self.conn.send(dtypes.pop() if len(dtypes) == 1 else "mixed")
+        dtype = _dtype_of(weights)
+        self.conn.send(dtype)
         manifest = self.conn.recv()
-        problem = check_manifest(manifest, weights, version, shapes or {})
+        problem = check_manifest(manifest, _held(weights, shapes), dtype, version)
         self.conn.send(problem)
         if not self.conn.recv():
             raise WeightSyncError(problem or f"weight version {manifest['version']} refused by another rank")

@@ -10,11 +10,11 @@ a pod of this project's engine, except that it never regroups (vLLM cannot chang
 - Rollouts: each request is one /v1/completions call (token ids in; token ids and the sampled tokens'
   log-probabilities out, at temperature 1 as this project's engine reports them), spread over the engines round
   robin; vLLM batches them.
-- Weights: the pod is one member of the trainer's weight-sync group (pat_workers.weightsync, gloo): it receives
-  the full weights into host memory, writes them as safetensors into its scratch directory, and every engine
-  reloads them (collective_rpc reload_weights) and drops its prefix cache (KV of the old weights), between
-  batches. No volume is shared with the trainer. vLLM's NCCL weight transfer (init_weight_transfer_engine) would
-  skip the host copy on GPUs but needs vLLM in the trainer's image; it is not used (docs/limits.md).
+- Weights: every vLLM worker (one per rank) is a member of the trainer's weight-sync group, through this
+  project's worker extension (vllm_worker.py, `--worker-extension-cls`, called with collective_rpc): it receives
+  the buckets on its own device (gloo on CPU, NCCL on GPUs) straight into vLLM's in-place reload, with no file
+  and no host copy. Then every engine drops its prefix cache (KV of the old weights), between batches. The
+  trainer's image needs no vLLM (vLLM's own init_weight_transfer_engine would).
 - /metrics: the pod's own pat_generator_* series, then every engine's vllm:* series labelled engine=<index> (read
   from the engines every 0.5 s, so that a scrape never waits on a busy engine).
 - Anything else under /v1 (completions, chat, models, ...) is proxied to an engine behind the job's token, so
@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Literal
 
 import aiohttp
-import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -52,14 +51,14 @@ from pat_operator import metric_names as names
 from pat_operator.podapi import (BatchStatus, Completion, GroupState, PodState, RolloutBatch, RolloutRequest,
                                  WeightUpdate)
 
-from ..engine.loader import save_weights, weight_shapes
-from ..weightsync import WeightReceiver
+from ..engine.loader import weight_shapes
 from .errors import Conflict, Invalid, NotFound, Unavailable, check_weight_update
 from .server import _payload, _reply, _wait_seconds, pod_app
 
 log = logging.getLogger("pat.generator.vllm")
 
 SERVED_MODEL = "policy"
+WORKER_EXTENSION = "pat_workers.generator.vllm_worker.WeightSyncExtension"
 START_TIMEOUT_SECONDS = 600.0  # loading a large model from a network volume can take minutes
 METRICS_PERIOD_SECONDS = 0.5  # how often the engines' /metrics are read (a scrape gets the last ones)
 LOG_TAIL_LINES = 40  # of each engine's output, kept for the failure message
@@ -99,7 +98,7 @@ def engine_command(config: VllmConfig, socket: str) -> list[str]:
     args = [config.python, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model_dir,
             "--served-model-name", SERVED_MODEL, "--uds", socket, "--tensor-parallel-size", str(config.tp),
             "--max-model-len", str(config.max_model_len), "--dtype", config.dtype, "--seed", "0",
-            "--disable-uvicorn-access-log"]
+            "--disable-uvicorn-access-log", "--worker-extension-cls", WORKER_EXTENSION]
     if config.device == "cuda":
         args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     if config.enforce_eager:
@@ -224,13 +223,11 @@ class VllmPod:
         self.ready = False
         self.policy_version = 0
         self._key = secrets.token_hex(16)
-        self._dir = Path(tempfile.mkdtemp(prefix="pat-vllm-"))  # mode 0700: the sockets and the received weights
+        self._dir = Path(tempfile.mkdtemp(prefix="pat-vllm-"))  # mode 0700: the engines' sockets
         self._engines: list[_Engine] = []
         self._batches: OrderedDict[str, _Batch] = OrderedDict()
         self._batch: _Batch | None = None
         self._receiving: int | None = None
-        self._receiver = None  # the weight-sync member, once the first update came
-        self._receiver_address: str | None = None
         self._next = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         self._stopping = threading.Event()
@@ -298,11 +295,17 @@ class VllmPod:
 
     async def _start_engines(self) -> None:
         cpus = sorted(os.sched_getaffinity(0))
+        # vLLM's interpreter imports the worker extension from this package, and from nothing else of this
+        # interpreter's (a venv of its own may pin other versions): a directory holding only a link to it.
+        python_path = self._dir / "python"
+        python_path.mkdir()
+        (python_path / "pat_workers").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
+        base = {**self.env, "PYTHONPATH": os.pathsep.join(filter(None, (str(python_path), self.env.get("PYTHONPATH"))))}
         for i in range(self.config.engines):
             socket = str(self._dir / f"engine-{i}.sock")
             # In the pod's process group (no new session): whatever ends the pod's processes ends the engines too.
             process = subprocess.Popen(engine_command(self.config, socket),
-                                       env=engine_env(self.config, i, self._key, self.env, cpus),
+                                       env=engine_env(self.config, i, self._key, base, cpus),
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self._dir)
             engine = _Engine(i, socket, process, aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(path=socket), headers={"Authorization": f"Bearer {self._key}"},
@@ -352,7 +355,7 @@ class VllmPod:
         return PodState(ready=self.ready, layout=[self.config.tp] * self.config.engines, epoch=0, groups=groups,
                         policy_version=self.policy_version, batch_id=self._batch.batch_id if self._batch else None,
                         batch_done=not self._generating(), controller="pod", world=self.config.ranks,
-                        weight_receivers=1, engine="vllm", dtype=self.config.dtype)
+                        weight_receivers=self.config.ranks, engine="vllm", dtype=self.config.dtype)
 
     def _generating(self) -> bool:
         return self._batch is not None and not self._batch.done.is_set()
@@ -433,13 +436,12 @@ class VllmPod:
     def update_weights(self, update: WeightUpdate) -> PodState:
         self._check_up()
         self._refuse_while_busy("new weights")
-        check_weight_update(update, self.policy_version, receivers=1)
+        check_weight_update(update, self.policy_version, receivers=self.config.ranks)
         if update.transport == "device":
             raise Invalid("transport: device is engine pat's in-pod hand-over (placement colocated); a vLLM pod "
                           "receives the weights over the weight-sync group (transport group)")
-        if update.backend != "gloo":
-            raise Invalid(f"backend: {update.backend!r}; a vLLM pod receives the weights in host memory (gloo) and "
-                          f"its engines load them from there")
+        if update.backend == "nccl" and self.config.device != "cuda":
+            raise Invalid("backend: 'nccl' needs GPUs; this pod's vLLM engines run on CPU: use gloo")
         self._receiving = update.version
         self._spawn(self._receive(update))
         log.info("receiving the weights of version %d from %s (rank %d of %d)", update.version, update.address,
@@ -448,9 +450,12 @@ class VllmPod:
 
     async def _receive(self, update: WeightUpdate) -> None:
         try:
-            path = await asyncio.to_thread(self._receive_files, update)
+            shapes = {name: list(shape) for name, shape in weight_shapes(self.config.model_dir).items()}
+            await asyncio.gather(*(self._rpc(e, "/collective_rpc", {"method": "pat_receive_weights", "kwargs": {
+                "address": update.address, "world": update.world, "backend": update.backend,
+                "rank_offset": update.rank_offset + e.index * self.config.tp, "version": update.version,
+                "dtype": self.config.dtype, "shapes": shapes}}) for e in self._engines))
             for e in self._engines:
-                await self._rpc(e, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
                 await self._rpc(e, "/reset_prefix_cache", None)
             self.policy_version = update.version
             self.m_version.set(update.version)
@@ -459,22 +464,6 @@ class VllmPod:
             self.fail(f"weight update to version {update.version} failed: {type(e).__name__}: {e}")
         finally:
             self._receiving = None
-
-    def _receive_files(self, update: WeightUpdate) -> str:
-        """Receives the trainer's broadcast into host tensors shaped like the model directory's, and writes them
-        where the engines load them from."""
-        if self._receiver is None or (self._receiver.world, self._receiver_address) != (update.world, update.address):
-            self._receiver = WeightReceiver(update.address, update.world, update.rank_offset, backend="gloo")
-            self._receiver_address = update.address
-        dtype = getattr(torch, self.config.dtype)
-        shapes = weight_shapes(self.config.model_dir)
-        weights = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
-        self._receiver.receive(weights, update.version)
-        path = self._dir / "weights"
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir()
-        save_weights(path, weights)
-        return str(path)
 
     @staticmethod
     async def _rpc(e: _Engine, path: str, body: dict | None) -> None:

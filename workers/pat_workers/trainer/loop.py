@@ -349,9 +349,8 @@ class Trainer:
         ranks = [s.weight_receivers for s in states]
         world = 1 + sum(ranks)
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
-        # A vLLM pod receives into host memory (its GPUs are its engines'): then the whole group is gloo.
-        gpu_receivers = all(s.engine == "pat" for s in states)
-        backend = "nccl" if self.device.type == "cuda" and gpu_receivers else "gloo"
+        # Every member receives on its own device (an engine rank, or a vLLM worker): NCCL wherever they are GPUs.
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.sender is None:  # hosts the store now (it does not wait for the members)
             self.sender = WeightSender(self.weight_address, world, backend=backend)
         self._pods(lambda c, i: c.update_weights(WeightUpdate(version=version, address=self.sender.address,
