@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pat_operator.podapi import RolloutRequest, Sampling
-from pat_workers.generator.vllm import (VllmConfig, _Families, completion, completion_body, engine_command,
+from pat_workers.generator.vllm import (VllmConfig, _Families, completion, completion_body, deal, engine_command,
                                         engine_env, last_error, relabel, version_problem)
 
 
@@ -97,3 +97,17 @@ def test_a_vllm_older_than_the_worker_extension_path_or_none_at_all_is_refused_n
     old = version_problem("0.8.5.post1", "/venv/bin/python")
     assert "vLLM 0.8.5.post1 at /venv/bin/python is older than 0.32" in old and "--worker-extension-cls" in old
     assert "no vLLM installed for /usr/bin/python3" in version_problem(None, "/usr/bin/python3")
+
+
+def test_a_prompts_requests_go_to_one_engine_and_prompts_balance_the_engines():
+    def request(i: int, prompt: list[int] | str) -> RolloutRequest:
+        key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+        return RolloutRequest(id=f"r{i}", **{key: prompt}, sampling=Sampling(max_tokens=4, seed=i))
+
+    grpo = [request(4 * p + s, [p + 1, 7, 7]) for p in range(3) for s in range(4)]  # 3 prompts x G=4
+    assert deal(grpo, 2) == [0] * 4 + [1] * 4 + [0] * 4
+    assert deal(grpo, 3) == [0] * 4 + [1] * 4 + [2] * 4
+    interleaved = [grpo[4 * p + s] for s in range(4) for p in range(3)]  # samples before prompts
+    assert deal(interleaved, 2) == [0, 1, 0] * 4
+    assert deal([request(0, [1]), request(1, [2]), request(2, [2]), request(3, [2])], 2) == [1, 0, 0, 0]
+    assert deal([request(0, "a b"), request(1, "a b"), request(2, [5]), request(3, "c")], 2) == [0, 0, 1, 1]

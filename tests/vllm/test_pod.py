@@ -153,6 +153,37 @@ def test_metrics_carry_vllms_own_series_per_engine(vllm_pod):
     assert metrics[("pat_generator_policy_version", ())] == vllm_pod.state()["policy_version"]
 
 
+def prefix_cache(pod, until_queries: float = 0.0) -> dict[str, dict[str, float]]:
+    """Each engine's vLLM prefix-cache counters, {"queries": {engine: tokens}, "hits": ...}, once their queries add
+    up to at least `until_queries` (the pod reads its engines' metrics every 0.5 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = pod.metrics()
+        counts = {kind: {labels[0][1]: value for (name, labels), value in metrics.items()
+                         if name == f"vllm:prefix_cache_{kind}_total"} for kind in ("queries", "hits")}
+        if sum(counts["queries"].values()) >= until_queries or time.monotonic() > deadline:
+            return counts
+
+
+def test_a_prompts_samples_go_to_one_engine_whose_prefix_cache_computes_the_prompt_once(vllm_pod):
+    """GRPO's G samples of a prompt (each its own seed) all go to one engine: its prefix cache serves the prompt's
+    full 128-token block (vLLM's CPU block) to G - 1 of them. The negative control: G prompts that differ in their
+    first token hit nothing."""
+    block, g = 128, 4
+    prompt = [(7 * j) % 250 + 1 for j in range(block + 2)]
+    for name, prompts, hits in (("same", [prompt] * g, (g - 1) * block),
+                                ("differ", [[200 + i] + prompt[1:] for i in range(g)], 0)):
+        before = prefix_cache(vllm_pod)
+        queried = sum(before["queries"].values()) + g * len(prompt)
+        vllm_pod.generate(f"prefix-{name}", [rollout(f"{name}-{i}", p, 4, temperature=1.0, seed=i)
+                                             for i, p in enumerate(prompts)])
+        after = prefix_cache(vllm_pod, until_queries=queried)
+        gained = {e: after["hits"][e] - before["hits"].get(e, 0) for e in after["hits"]}
+        assert sum(gained.values()) == hits, (name, gained)
+        if hits:
+            assert sorted(gained.values()) == [0, hits], gained  # on one engine
+
+
 def test_a_model_vllm_cannot_load_fails_the_pod_with_vllms_message(vllm_model, vllm_env, tmp_path):
     bad = tmp_path / "model"
     bad.mkdir()

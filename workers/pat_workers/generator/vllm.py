@@ -8,8 +8,9 @@ a pod of this project's engine, except that it never regroups (vLLM cannot chang
   what vLLM's --api-key guards (only /v1, /v2, /inference paths). Its key is a random one of this pod's, passed
   in the environment (argv is visible to `ps`).
 - Rollouts: each request is one /v1/completions call (token ids in; token ids and the sampled tokens'
-  log-probabilities out, at temperature 1 as this project's engine reports them), spread over the engines round
-  robin; vLLM batches them.
+  log-probabilities out, at temperature 1 as this project's engine reports them); vLLM batches them. A prompt's
+  requests (GRPO's G samples, each with its own seed) all go to one engine, whose prefix cache then computes the
+  prompt once; prompts are spread over the engines by the requests they carry (`deal`).
 - Weights: every vLLM worker (one per rank) is a member of the trainer's weight-sync group, through this
   project's worker extension (vllm_worker.py, `--worker-extension-cls`, called with collective_rpc): it receives
   the buckets on its own device (gloo on CPU, NCCL on GPUs) straight into vLLM's in-place reload, with no file
@@ -172,6 +173,22 @@ def completion_body(request: RolloutRequest) -> dict:
     return body
 
 
+def deal(requests: list[RolloutRequest], engines: int) -> list[int]:
+    """The engine of each request: every request of one prompt to the same engine, and the prompts to the least
+    loaded engine in requests, the largest first (then the loads end closest; ties: the lowest index)."""
+    prompts: dict[object, list[int]] = {}
+    for i, r in enumerate(requests):
+        prompts.setdefault(r.prompt if r.prompt is not None else tuple(r.prompt_token_ids), []).append(i)
+    load = [0] * engines
+    out = [0] * len(requests)
+    for members in sorted(prompts.values(), key=len, reverse=True):
+        engine = min(range(engines), key=load.__getitem__)
+        for i in members:
+            out[i] = engine
+        load[engine] += len(members)
+    return out
+
+
 def completion(request: RolloutRequest, reply: dict, version: int) -> Completion:
     choice = reply["choices"][0]
     return Completion(id=request.id, token_ids=choice["token_ids"], logprobs=choice["logprobs"]["token_logprobs"],
@@ -256,7 +273,6 @@ class VllmPod:
         self._batches: OrderedDict[str, _Batch] = OrderedDict()
         self._batch: _Batch | None = None
         self._receiving: int | None = None
-        self._next = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         self._stopping = threading.Event()
         self._on_exit: Callable[[], None] | None = None
@@ -415,8 +431,8 @@ class VllmPod:
         while len(self._batches) > KEPT_BATCHES + 1:
             self._batches.popitem(last=False)
         self.m_batch_open.set(1)
-        for r in batch.requests:
-            self._spawn(self._generate(batch, r, self._engines[next(self._next) % len(self._engines)]))
+        for r, engine in zip(batch.requests, deal(batch.requests, len(self._engines))):
+            self._spawn(self._generate(batch, r, self._engines[engine]))
         log.info("batch %s: %d requests, policy version %d", batch.batch_id, len(batch.requests),
                  batch.policy_version)
         return batch.status()
