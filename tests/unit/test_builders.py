@@ -144,7 +144,7 @@ def test_the_generator_takes_a_vllm_pods_flags_and_exits_2_on_a_tp_not_dividing_
     args = commands.generator_args(spec, "/no/model", "127.0.0.1")
     assert args[:3] == ["generator", "--engine", "vllm"] and "--vllm-arg=--max-num-seqs=8" in args
     assert generator([*args[1:], "--tensor-parallel-size", "3"]) == 2
-    assert "--tensor-parallel-size=3 must divide --ranks=2" in capsys.readouterr().err
+    assert "TP size 3 (--tensor-parallel-size or --tp-sizes) must be a power of two dividing --ranks=2" in capsys.readouterr().err
     assert generator(args[1:]) == 2  # the flags parse; the model directory is checked next
     assert capsys.readouterr().err == "pat generator: --model /no/model: no config.json there (a Hugging Face " \
                                       "model directory)\n"

@@ -7,34 +7,34 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pat_operator.podapi import RolloutRequest, Sampling
-from pat_workers.generator.vllm import (VllmConfig, _Families, completion, completion_body, deal, engine_command,
-                                        engine_env, last_error, relabel, version_problem)
+from pat_workers.generator.vllm import (Sequence, VllmConfig, _Families, absorb, completion, deal, engine_command,
+                                        engine_env, last_error, relabel, request_body, version_problem)
 
 
 def test_cpu_engines_bind_their_ranks_to_disjoint_cores_and_gpu_engines_get_their_devices():
     two_tp1 = VllmConfig("/m", ranks=2, tp=1)
-    assert [engine_env(two_tp1, i, "k", {}, [0, 1])["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)] == ["0", "1"]
+    assert [engine_env(two_tp1, (i,), "k", {}, [0, 1])["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)] == ["0", "1"]
     tp2 = VllmConfig("/m", ranks=2, tp=2)
-    assert engine_env(tp2, 0, "k", {}, [0, 1])["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert engine_env(tp2, (0, 1), "k", {}, [0, 1])["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     wide = VllmConfig("/m", ranks=4, tp=2)
     cpus = list(range(8, 16))
-    assert [engine_env(wide, i, "k", {}, cpus)["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)] == ["8-9|10-11",
-                                                                                              "12-13|14-15"]
+    assert [engine_env(wide, g, "k", {}, cpus)["VLLM_CPU_OMP_THREADS_BIND"] for g in wide.slots] == ["8-9|10-11",
+                                                                                                  "12-13|14-15"]
     # Fewer cores than ranks: shared round robin, never an empty binding.
-    assert [engine_env(wide, i, "k", {}, [0, 1])["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)] == ["0|1", "0|1"]
-    env = engine_env(two_tp1, 0, "key", {"VLLM_CPU_KVCACHE_SPACE": "4", "HOME": "/h"}, [0, 1])
+    assert [engine_env(wide, g, "k", {}, [0, 1])["VLLM_CPU_OMP_THREADS_BIND"] for g in wide.slots] == ["0|1", "0|1"]
+    env = engine_env(two_tp1, (0,), "key", {"VLLM_CPU_KVCACHE_SPACE": "4", "HOME": "/h"}, [0, 1])
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["HOME"] == "/h"  # the pod's own settings win
     assert env["VLLM_API_KEY"] == "key" and env["VLLM_SERVER_DEV_MODE"] == "1"
     gpus = VllmConfig("/m", ranks=4, tp=2, device="cuda")
-    assert [engine_env(gpus, i, "k", {}, [0])["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == ["0,1", "2,3"]
-    assert engine_env(gpus, 1, "k", {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, [0])["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert [engine_env(gpus, g, "k", {}, [0])["CUDA_VISIBLE_DEVICES"] for g in gpus.slots] == ["0,1", "2,3"]
+    assert engine_env(gpus, (2, 3), "k", {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, [0])["CUDA_VISIBLE_DEVICES"] == "6,7"
 
 
 def test_the_engine_command_listens_on_its_socket_and_carries_the_users_flags_last():
     config = VllmConfig("/models/m", ranks=2, tp=2, max_model_len=1024, dtype="bfloat16", device="cuda",
                         gpu_memory_utilization=0.8, enforce_eager=True, extra_args=("--max-num-seqs=64",),
                         python="/venv/bin/python")
-    argv = engine_command(config, "/run/e0.sock")
+    argv = engine_command(config, "/run/e0.sock", 2)
     assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     flags = {flag: argv[i + 1] for i, flag in enumerate(argv[:-1]) if flag.startswith("--")}
     assert flags["--uds"] == "/run/e0.sock" and flags["--tensor-parallel-size"] == "2"
@@ -43,20 +43,31 @@ def test_the_engine_command_listens_on_its_socket_and_carries_the_users_flags_la
     assert argv[-2:] == ["--enforce-eager", "--max-num-seqs=64"]
 
 
-def test_a_rollout_request_maps_to_a_completion_and_back():
+def test_a_rollout_request_streams_into_a_completion_and_resumes_after_a_move_from_its_tokens():
     request = RolloutRequest(id="r", prompt_token_ids=[1, 2, 3], sampling=Sampling(max_tokens=4, temperature=0.7,
                              top_k=5, seed=9, stop_token_ids=[7]))
-    body = completion_body(request)
-    assert body["prompt"] == [1, 2, 3] and body["top_k"] == 5 and body["seed"] == 9
-    assert body["logprobs"] == 0 and body["return_token_ids"] and body["stop_token_ids"] == [7]
-    assert "top_k" not in completion_body(RolloutRequest(id="r", prompt="hi"))  # 0: no top-k
-    reply = {"choices": [{"text": "ab", "token_ids": [4, 7], "finish_reason": "stop",
-                          "logprobs": {"token_logprobs": [-0.5, -1.5]}}]}
-    c = completion(request, reply, 3)
+    seq = Sequence(request)
+    body = request_body(seq)
+    assert body["prompt"] == [1, 2, 3] and body["top_k"] == 5 and body["seed"] == 9 and body["max_tokens"] == 4
+    assert body["logprobs"] == 0 and body["return_token_ids"] and body["stop_token_ids"] == [7] and body["stream"]
+    assert "top_k" not in request_body(Sequence(RolloutRequest(id="r", prompt="hi")))  # 0: no top-k
+    absorb(seq, {"choices": [{"text": "a", "token_ids": [4], "prompt_token_ids": [1, 2, 3], "finish_reason": None,
+                              "logprobs": {"token_logprobs": [-0.5]}}]})
+    # Moved after one token: the prompt and that token are the prompt, 3 tokens remain, the seed is derived.
+    moved = request_body(seq)
+    assert (moved["prompt"], moved["max_tokens"]) == ([1, 2, 3, 4], 3)
+    assert moved["seed"] not in (9, None) and moved["seed"] == request_body(seq)["seed"]  # reproducible
+    absorb(seq, {"choices": [{"text": "b", "token_ids": [7], "finish_reason": "stop",
+                              "logprobs": {"token_logprobs": [-1.5]}}]})
+    c = completion(seq, 3)
     assert (c.token_ids, c.logprobs, c.finish_reason, c.policy_version, c.text) == ([4, 7], [-0.5, -1.5], "stop",
                                                                                      3, None)
-    reply["choices"][0]["finish_reason"] = "length"
-    assert completion(RolloutRequest(id="t", prompt="hi"), reply, 0).text == "ab"
+    seq.finish_reason = "length"
+    text = Sequence(RolloutRequest(id="t", prompt="hi"), text="ab", finish_reason="length")
+    assert completion(text, 0).text == "ab" and completion(text, 0).finish_reason == "length"
+    other = Sequence(RolloutRequest(id="u", prompt_token_ids=[1], sampling=Sampling(seed=10)), prompt_ids=[1],
+                     tokens=[5])
+    assert request_body(other)["seed"] != moved["seed"]  # another request's seed resumes elsewhere
 
 
 ENGINE = """# HELP vllm:num_requests_running Number of requests in model execution batches.

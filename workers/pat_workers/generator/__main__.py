@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pat generator", description="one generator pod: HTTP coordinator + engine "
                                  "ranks (one per GPU, else one per CPU core)")
     ap.add_argument("--engine", choices=("pat", "vllm"), default="pat", help="pat: this project's engine (adaptive "
-                    "TP); vllm: vLLM engines at a fixed TP")
+                    "TP); vllm: vLLM engines, at a fixed TP or, with --tp-sizes, one per group of each layout")
     ap.add_argument("--model", required=True, help="model directory: config.json, *.safetensors, tokenizer.json")
     ap.add_argument("--ranks", type=int, required=True, help="engine ranks (a power of two)")
     ap.add_argument("--host", default="0.0.0.0")
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--profile", help="offline T(tp, batch, context) profile JSON (Profile.to_json); default: measured")
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (default: the model directory)")
-    ap.add_argument("--tp-sizes", help="comma-separated TP sizes plans may use, e.g. 1,2 (default: all)")
+    ap.add_argument("--tp-sizes", help="comma-separated TP sizes plans may use, e.g. 1,2 (default: engine pat all, "
+                    "engine vllm only --tensor-parallel-size)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="engine pat: the fixed layout, ranks / this "
                     "many TP groups of this size (with --controller operator: no plans are taken); engine vllm: "
                     "the TP of each vLLM engine, the pod runs ranks / this many engines")
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     # Imported once the arguments are good: --help and argument errors answer without loading torch.
     from .server import make_app, serve
 
+    tp_sizes = tuple(int(t) for t in args.tp_sizes.split(",")) if args.tp_sizes else ()
     try:
         if args.engine == "vllm":
             from .vllm import VllmConfig, VllmPod, make_vllm_app
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             device = "cuda" if args.device == "cuda" else "cpu"
             pod = VllmPod(VllmConfig(args.model, args.ranks, args.tensor_parallel_size, args.gpu_memory_utilization,
                                      args.max_model_len, args.dtype, device, args.enforce_eager, args.tokenizer,
-                                     tuple(args.vllm_arg), args.vllm_python))
+                                     tuple(args.vllm_arg), args.vllm_python, tp_sizes, args.controller))
             app = make_vllm_app(pod, token)
         else:
             from ..engine.rank import EngineOptions
@@ -91,9 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                                     migration=args.migration, comm_backend=args.comm_backend, device=args.device,
                                     memory_utilization=args.memory_utilization, kv_cache_bytes=args.kv_cache_bytes,
                                     reserved_bytes=args.reserved_bytes, compile_step=args.compile_step)
-            tp_sizes = tuple(int(t) for t in args.tp_sizes.split(",")) if args.tp_sizes else None
             pod = Coordinator(PodConfig(args.model, args.ranks, options, args.controller, args.margin,
-                                        args.cooldown_steps, args.guard, args.profile, args.tokenizer, tp_sizes,
+                                        args.cooldown_steps, args.guard, args.profile, args.tokenizer, tp_sizes or None,
                                         args.tensor_parallel_size), token=token)
             app = make_app(pod, token)
     except (OSError, ValueError) as e:  # a bad model directory, option or profile file

@@ -35,7 +35,7 @@ from ..engine.generator import GeneratorError, LocalGenerator, StepRecord
 from ..engine.loader import load_tokenizer
 from ..engine.rank import EngineOptions
 from ..engine.sampling import SamplingParams
-from .errors import Conflict, Invalid, NotFound, PodError, Unavailable, check_weight_update
+from .errors import Conflict, Invalid, NotFound, PodError, Unavailable, check_plan, check_weight_update
 
 log = logging.getLogger("pat.generator")
 
@@ -418,14 +418,8 @@ class Coordinator:
                            f"GET /v1/state shows that policy_version")
         if not self.gen.memory_held:
             raise Conflict("the ranks have released their memory (POST /v1/sleep): plans apply after POST /v1/wake_up")
-        if self._last_ack is not None and plan.epoch == self._last_ack.applied_epoch == self.gen.epoch:
-            return self._last_ack  # a retry of the plan just applied
-        if plan.epoch <= self.gen.epoch:
-            raise Conflict(f"epoch: plan epoch {plan.epoch} is not newer than the applied epoch {self.gen.epoch}; "
-                           f"plans must come with increasing epochs")
-        if plan.from_epoch is not None and plan.from_epoch != self.gen.epoch:
-            raise Conflict(f"from_epoch: the plan was made for epoch {plan.from_epoch}, the pod is at epoch "
-                           f"{self.gen.epoch} (layout {list(self.gen.layout)}); plan again from the current state")
+        if (retry := check_plan(plan, self.gen.epoch, list(self.gen.layout), self._last_ack)) is not None:
+            return retry
         try:
             reports = self.gen.regroup(plan.layout, epoch=plan.epoch)
         except ValueError as e:  # LayoutError included

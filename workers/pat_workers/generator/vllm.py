@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import json
 import logging
 import os
 import secrets
@@ -49,11 +50,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.parser import text_string_to_metric_families
 
 from pat_operator import metric_names as names
-from pat_operator.podapi import (BatchStatus, Completion, GroupState, PodState, RolloutBatch, RolloutRequest,
-                                 WeightUpdate)
+from pat_operator.layout import Group, LayoutError, groups, uniform, validate
+from pat_operator.podapi import (BatchStatus, Completion, GroupState, PodState, RegroupAck, RegroupPlan, RolloutBatch,
+                                 RolloutRequest, WeightUpdate)
 
 from ..engine.loader import weight_shapes
-from .errors import Conflict, Invalid, NotFound, Unavailable, check_weight_update
+from ..engine.metrics import group_label
+from .errors import Conflict, Invalid, NotFound, Unavailable, check_plan, check_weight_update
 from .server import _payload, _reply, _wait_seconds, pod_app
 
 log = logging.getLogger("pat.generator.vllm")
@@ -92,17 +95,32 @@ class VllmConfig:
     tokenizer_dir: str | None = None
     extra_args: tuple[str, ...] = ()
     python: str = "python3"  # the interpreter that has vLLM
+    tp_sizes: tuple[int, ...] = ()  # adaptive TP: the TP sizes of the layouts plans may use (one engine per group)
+    controller: Literal["pod", "operator"] = "pod"
 
     @property
-    def engines(self) -> int:
-        return self.ranks // self.tp
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.tp_sizes) | {self.tp}))
+
+    @property
+    def slots(self) -> list[Group]:
+        """The engines the pod runs, as the ranks each spans: one per TP group of every layout it may use."""
+        return [g for t in self.sizes for g in groups(uniform(self.ranks, t))]
 
 
 def check(config: VllmConfig) -> None:
     """ValueError naming the flag, before any process starts."""
-    if config.ranks < 1 or config.tp < 1 or config.ranks % config.tp:
-        raise ValueError(f"--tensor-parallel-size={config.tp} must divide --ranks={config.ranks} (the pod runs "
-                         f"ranks / TP engines)")
+    for t in config.sizes:
+        if config.ranks < 1 or t < 1 or config.ranks % t or t & (t - 1):
+            raise ValueError(f"TP size {t} (--tensor-parallel-size or --tp-sizes) must be a power of two dividing "
+                             f"--ranks={config.ranks} (the pod runs ranks / TP engines of each size)")
+    if len(config.sizes) > 1 and config.controller != "operator":
+        raise ValueError("--controller pod: this pod's own planner does not drive vLLM engines yet; with --tp-sizes "
+                         "use --controller operator (the operator's plans, POST /v1/regroup)")
+    if len(config.sizes) > 1 and config.device == "cuda":
+        raise ValueError("--tp-sizes with --device cuda: every engine's workers join the NCCL weight-sync group, and "
+                         "NCCL takes one member per GPU; handing the weights on to the other layouts' engines on "
+                         "the same GPU (CUDA IPC) is not built yet: use one --tensor-parallel-size")
     if not (Path(config.model_dir) / "config.json").is_file():
         raise ValueError(f"--model {config.model_dir}: no config.json there (a Hugging Face model directory)")
     query = subprocess.run([config.python, "-c", VERSION_QUERY], capture_output=True, text=True)
@@ -123,9 +141,9 @@ def version_problem(version: str | None, python: str) -> str | None:
     return None
 
 
-def engine_command(config: VllmConfig, socket: str) -> list[str]:
+def engine_command(config: VllmConfig, socket: str, tp: int) -> list[str]:
     args = [config.python, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model_dir,
-            "--served-model-name", SERVED_MODEL, "--uds", socket, "--tensor-parallel-size", str(config.tp),
+            "--served-model-name", SERVED_MODEL, "--uds", socket, "--tensor-parallel-size", str(tp),
             "--max-model-len", str(config.max_model_len), "--dtype", config.dtype, "--seed", "0",
             "--disable-uvicorn-access-log", "--worker-extension-cls", WORKER_EXTENSION]
     if config.device == "cuda":
@@ -137,17 +155,16 @@ def engine_command(config: VllmConfig, socket: str) -> list[str]:
     return args + list(config.extra_args)
 
 
-def engine_env(config: VllmConfig, index: int, key: str, base: dict[str, str], cpus: list[int]) -> dict[str, str]:
-    """The environment of engine `index`: its devices (GPUs, or on CPU the cores its TP ranks are bound to), its
-    API key, and the development endpoints the pod uses on its socket."""
+def engine_env(config: VllmConfig, ranks: Group, key: str, base: dict[str, str], cpus: list[int]) -> dict[str, str]:
+    """The environment of the engine over `ranks`: its devices (GPUs, or on CPU the cores its TP ranks are bound
+    to), its API key, and the development endpoints the pod uses on its socket."""
     env = {**base, "VLLM_API_KEY": key, "VLLM_SERVER_DEV_MODE": "1"}
     if config.device == "cuda":
         visible = base.get("CUDA_VISIBLE_DEVICES")
         gpus = visible.split(",") if visible else [str(i) for i in range(config.ranks)]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[index * config.tp:(index + 1) * config.tp])
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[r] for r in ranks)
     else:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(_cores(cpus, config.ranks, index * config.tp + r)
-                                                    for r in range(config.tp))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(_cores(cpus, config.ranks, r) for r in ranks)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes most of the host's memory
     return env
 
@@ -162,15 +179,53 @@ def _cores(cpus: list[int], ranks: int, rank: int) -> str:
     return str(mine[0]) if len(mine) == 1 else f"{mine[0]}-{mine[-1]}"
 
 
-def completion_body(request: RolloutRequest) -> dict:
-    s = request.sampling
-    body = {"model": SERVED_MODEL, "prompt": request.prompt_token_ids if request.prompt is None else request.prompt,
+@dataclass
+class Sequence:
+    """A request of the open batch as the pod streams it from the engines: what it has generated so far, on
+    whichever engines it ran (a regroup moves it to another one)."""
+    request: RolloutRequest
+    prompt_ids: list[int] | None = None  # as the first engine tokenized the prompt
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+def request_body(seq: Sequence) -> dict:
+    """The streamed /v1/completions call that generates the rest of `seq`: the request itself at first; after a
+    move, its prompt and the tokens so far as the prompt (the target engine prefills them), the rest of max_tokens,
+    and a seed derived from the request's and the point it resumes at, so that a run with the same moves is
+    reproducible (vLLM seeds each request's sampler once)."""
+    r, s = seq.request, seq.request.sampling
+    body = {"model": SERVED_MODEL, "prompt": r.prompt_token_ids if r.prompt is None else r.prompt,
             "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
             "stop_token_ids": s.stop_token_ids, "ignore_eos": s.ignore_eos, "logprobs": 0,
-            "return_token_ids": True, "skip_special_tokens": False}
+            "return_token_ids": True, "skip_special_tokens": False, "stream": True}
     if s.top_k:
         body["top_k"] = s.top_k
+    if seq.tokens:
+        body["prompt"] = seq.prompt_ids + seq.tokens
+        body["max_tokens"] = s.max_tokens - len(seq.tokens)
+        body["seed"] = (s.seed * 1_000_003 + len(seq.tokens)) % (1 << 31)
     return body
+
+
+def absorb(seq: Sequence, chunk: dict) -> None:
+    """Adds one streamed chunk of vLLM's reply to `seq`."""
+    choice = chunk["choices"][0]
+    if seq.prompt_ids is None and choice.get("prompt_token_ids") is not None:
+        seq.prompt_ids = list(choice["prompt_token_ids"])
+    seq.tokens += choice.get("token_ids") or []
+    seq.logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+    seq.text += choice.get("text") or ""
+    if choice.get("finish_reason"):
+        seq.finish_reason = choice["finish_reason"]
+
+
+def completion(seq: Sequence, version: int) -> Completion:
+    return Completion(id=seq.request.id, token_ids=seq.tokens, logprobs=seq.logprobs,
+                      finish_reason="length" if seq.finish_reason == "length" else "stop", policy_version=version,
+                      text=seq.text if seq.request.prompt is not None else None)
 
 
 def deal(requests: list[RolloutRequest], engines: int) -> list[int]:
@@ -187,13 +242,6 @@ def deal(requests: list[RolloutRequest], engines: int) -> list[int]:
             out[i] = engine
         load[engine] += len(members)
     return out
-
-
-def completion(request: RolloutRequest, reply: dict, version: int) -> Completion:
-    choice = reply["choices"][0]
-    return Completion(id=request.id, token_ids=choice["token_ids"], logprobs=choice["logprobs"]["token_logprobs"],
-                      finish_reason="length" if choice["finish_reason"] == "length" else "stop",
-                      policy_version=version, text=choice["text"] if request.prompt is not None else None)
 
 
 def relabel(texts: list[str]) -> list:
@@ -231,6 +279,7 @@ class _Families:
 @dataclass
 class _Engine:
     index: int
+    ranks: Group
     socket: str
     process: subprocess.Popen
     session: aiohttp.ClientSession
@@ -250,6 +299,7 @@ class _Batch:
     policy_version: int
     requests: list[RolloutRequest]
     completions: dict[str, Completion] = field(default_factory=dict)
+    running: dict[str, tuple[Sequence, _Engine, asyncio.Task]] = field(default_factory=dict)  # id -> where it runs
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def status(self) -> BatchStatus:
@@ -273,6 +323,9 @@ class VllmPod:
         self._batches: OrderedDict[str, _Batch] = OrderedDict()
         self._batch: _Batch | None = None
         self._receiving: int | None = None
+        self.layout = list(uniform(config.ranks, config.tp))
+        self.epoch = 0
+        self._last_ack: RegroupAck | None = None
         self._tasks: set[asyncio.Task] = set()
         self._stopping = threading.Event()
         self._on_exit: Callable[[], None] | None = None
@@ -285,6 +338,12 @@ class VllmPod:
         self.m_batches = Counter(names.GENERATOR_BATCHES, "Rollout batches completed", registry=r)
         self.m_batch_open = Gauge(names.GENERATOR_BATCH_OPEN, "1 while a rollout batch is generating", registry=r)
         self.m_tokens = Counter(names.GENERATOR_TOKENS, "Tokens generated", registry=r)
+        self.m_epoch = Gauge(names.GENERATOR_LAYOUT_EPOCH, "Epoch of the layout applied", registry=r)
+        self.m_regroups = Counter(names.GENERATOR_REGROUPS, "Regroups by outcome", ["outcome"], registry=r)
+        self.m_moved = Counter(names.GENERATOR_REGROUP_REQUESTS, "Requests moved by regroups: re-prefilled on the "
+                               "larger group's engine from their prompt and tokens so far", ["mode"], registry=r)
+        self.m_generated = Gauge(names.GENERATOR_RUNNING_GENERATED_TOKENS, "Tokens generated so far by the running "
+                                 "requests, summed per group of the applied layout", ["group"], registry=r)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self, on_exit: Callable[[], None]) -> None:
@@ -315,11 +374,17 @@ class VllmPod:
             self._engine_metrics = [""] * len(self._engines)
             self._spawn(self._collect_metrics())
             self.ready = True
-            log.info("ready: %d vLLM engine(s) of TP=%d", self.config.engines, self.config.tp)
+            log.info("ready: vLLM engines over ranks %s, layout %s", [list(e.ranks) for e in self._engines],
+                     self.layout)
+            gone: set[int] = set()
             while not self._stopping.is_set():
                 for e in self._engines:
-                    if (problem := e.failure()) is not None:
+                    if (problem := e.failure()) is None or e.index in gone:
+                        continue
+                    if e in self._active():  # the engine of a group in use: its requests are lost
                         raise RuntimeError(problem)
+                    gone.add(e.index)  # another layout's: plans that need it fall back
+                    log.error("%s; layouts with its group %s cannot be applied", problem, list(e.ranks))
                 await asyncio.sleep(0.5)
         except asyncio.CancelledError:
             raise
@@ -345,13 +410,13 @@ class VllmPod:
         python_path.mkdir()
         (python_path / "pat_workers").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
         base = {**self.env, "PYTHONPATH": os.pathsep.join(filter(None, (str(python_path), self.env.get("PYTHONPATH"))))}
-        for i in range(self.config.engines):
+        for i, ranks in enumerate(self.config.slots):
             socket = str(self._dir / f"engine-{i}.sock")
             # In the pod's process group (no new session): whatever ends the pod's processes ends the engines too.
-            process = subprocess.Popen(engine_command(self.config, socket),
-                                       env=engine_env(self.config, i, self._key, base, cpus),
+            process = subprocess.Popen(engine_command(self.config, socket, len(ranks)),
+                                       env=engine_env(self.config, ranks, self._key, base, cpus),
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self._dir)
-            engine = _Engine(i, socket, process, aiohttp.ClientSession(
+            engine = _Engine(i, ranks, socket, process, aiohttp.ClientSession(
                 connector=aiohttp.UnixConnector(path=socket), headers={"Authorization": f"Bearer {self._key}"},
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)))
             threading.Thread(target=self._forward, args=(engine,), daemon=True).start()
@@ -380,10 +445,11 @@ class VllmPod:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
-    def _spawn(self, coroutine) -> None:
+    def _spawn(self, coroutine) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _check_up(self) -> None:
         if self.failure:
@@ -392,14 +458,19 @@ class VllmPod:
             raise Unavailable("the pod is starting: its vLLM engines load the model; retry once /readyz answers 200")
 
     # -- the pod API ----------------------------------------------------------------------------------------
+    def _active(self) -> list[_Engine]:
+        """The engines of the applied layout's groups, in rank order: the ones that generate."""
+        by_ranks = {e.ranks: e for e in self._engines}
+        return [by_ranks[g] for g in groups(self.layout)]
+
     @property
     def state(self) -> PodState:
-        groups = [GroupState(ranks=list(range(i * self.config.tp, (i + 1) * self.config.tp)), tp=self.config.tp,
-                             running=e.in_flight, waiting=0) for i, e in enumerate(self._engines)]
-        return PodState(ready=self.ready, layout=[self.config.tp] * self.config.engines, epoch=0, groups=groups,
-                        policy_version=self.policy_version, batch_id=self._batch.batch_id if self._batch else None,
-                        batch_done=not self._generating(), controller="pod", world=self.config.ranks,
-                        weight_receivers=self.config.ranks, engine="vllm", dtype=self.config.dtype)
+        active = self._active() if self._engines else []
+        return PodState(ready=self.ready, layout=self.layout, epoch=self.epoch, groups=[
+            GroupState(ranks=list(e.ranks), tp=len(e.ranks), running=e.in_flight, waiting=0) for e in active],
+            policy_version=self.policy_version, batch_id=self._batch.batch_id if self._batch else None,
+            batch_done=not self._generating(), controller=self.config.controller, world=self.config.ranks,
+            weight_receivers=sum(map(len, self.config.slots)), engine="vllm", dtype=self.config.dtype)
 
     def _generating(self) -> bool:
         return self._batch is not None and not self._batch.done.is_set()
@@ -409,6 +480,9 @@ class VllmPod:
             b = self._batch
             raise Conflict(f"{what}: batch {b.batch_id!r} is generating ({len(b.completions)}/{len(b.requests)} "
                            f"done); wait until GET /v1/rollouts/{b.batch_id} reports done")
+        self._refuse_while_receiving(what)
+
+    def _refuse_while_receiving(self, what: str) -> None:
         if self._receiving is not None:
             raise Conflict(f"{what}: the pod is receiving the weights of version {self._receiving}; retry once "
                            f"GET /v1/state shows that policy_version")
@@ -431,35 +505,118 @@ class VllmPod:
         while len(self._batches) > KEPT_BATCHES + 1:
             self._batches.popitem(last=False)
         self.m_batch_open.set(1)
-        for r, engine in zip(batch.requests, deal(batch.requests, len(self._engines))):
-            self._spawn(self._generate(batch, r, self._engines[engine]))
-        log.info("batch %s: %d requests, policy version %d", batch.batch_id, len(batch.requests),
-                 batch.policy_version)
+        active = self._active()
+        for r, engine in zip(batch.requests, deal(batch.requests, len(active))):
+            self._start(batch, Sequence(r), active[engine])
+        log.info("batch %s: %d requests, policy version %d, layout %s", batch.batch_id, len(batch.requests),
+                 batch.policy_version, self.layout)
         return batch.status()
 
-    async def _generate(self, batch: _Batch, request: RolloutRequest, engine: _Engine) -> None:
+    def _start(self, batch: _Batch, seq: Sequence, engine: _Engine, previous: _Engine | None = None) -> None:
+        task = self._spawn(self._generate(batch, seq, engine, previous))
+        batch.running[seq.request.id] = (seq, engine, task)
+
+    async def _generate(self, batch: _Batch, seq: Sequence, engine: _Engine, previous: _Engine | None) -> None:
+        """Streams the rest of `seq` from `engine`. A regroup cancels this to move the sequence: what it generated
+        so far stays in `seq` (closing the stream makes vLLM abort the request). `previous`: the engine a move
+        took it from, where it goes back if `engine` fails it."""
         engine.in_flight += 1
         try:
-            async with engine.session.post("http://engine/v1/completions", json=completion_body(request)) as resp:
-                reply = await resp.json(content_type=None)
+            async with engine.session.post("http://engine/v1/completions", json=request_body(seq)) as resp:
                 if resp.status != 200:
-                    raise RuntimeError(f"vLLM engine {engine.index} refused request {request.id}: HTTP {resp.status}"
-                                       f": {(reply.get('error') or {}).get('message', reply)}")
-            done = completion(request, reply, batch.policy_version)
-        except (aiohttp.ClientError, OSError, RuntimeError, KeyError) as e:
+                    reply = await resp.json(content_type=None)
+                    raise RuntimeError(f"vLLM engine {engine.index} refused request {seq.request.id}: HTTP "
+                                       f"{resp.status}: {(reply.get('error') or {}).get('message', reply)}")
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        absorb(seq, json.loads(line[len(b"data: "):]))
+            if seq.finish_reason is None:
+                raise RuntimeError(f"vLLM engine {engine.index} ended request {seq.request.id}'s stream unfinished")
+        except (aiohttp.ClientError, OSError, RuntimeError, KeyError, ValueError) as e:
+            why = str(e) if isinstance(e, RuntimeError) else f"vLLM engine {engine.index}: {type(e).__name__}: {e}"
+            if previous is not None and previous.failure() is None:
+                log.error("%s; request %s goes back to engine %d after %d tokens", why, seq.request.id,
+                          previous.index, len(seq.tokens))
+                self._start(batch, seq, previous)
+                return
             # vLLM refused a request the pod accepted, or an engine died: the batch cannot complete here, so the
             # pod fails and its gang restarts from the last checkpoint.
-            self.fail(str(e) if isinstance(e, RuntimeError) else f"vLLM engine {engine.index}: "
-                      f"{type(e).__name__}: {e}")
+            self.fail(why)
             return
         finally:
             engine.in_flight -= 1
-        batch.completions[request.id] = done
+        self._finish(batch, seq)
+
+    def _finish(self, batch: _Batch, seq: Sequence) -> None:
+        batch.running.pop(seq.request.id, None)
+        done = batch.completions[seq.request.id] = completion(seq, batch.policy_version)
         self.m_tokens.inc(len(done.token_ids))
         if len(batch.completions) == len(batch.requests):
             batch.done.set()
             self.m_batch_open.set(0)
             self.m_batches.inc()
+
+    async def regroup(self, plan: RegroupPlan) -> RegroupAck:
+        """Applies an operator's plan (adaptive TP, --tp-sizes): the requests running on the engines of the groups
+        it ends move to the engines of the new groups over the same ranks, each stopped and resubmitted there as
+        its prompt plus its tokens so far (request_body). Falls back, moving nothing, when an engine of the new
+        layout is not serving."""
+        if len(self.config.sizes) == 1:
+            raise Conflict(f"this pod runs vLLM at a fixed TP={self.config.tp} (no --tp-sizes): it cannot regroup")
+        self._check_up()
+        self._refuse_while_receiving("a regroup")
+        if (retry := check_plan(plan, self.epoch, self.layout, self._last_ack)) is not None:
+            return retry
+        try:
+            layout = list(validate(plan.layout, self.config.ranks, self.config.sizes))
+        except LayoutError as e:
+            raise Invalid(f"layout: {e}") from None
+        started = time.perf_counter()
+        by_ranks = {e.ranks: e for e in self._engines}
+        targets = [by_ranks[g] for g in groups(layout)]
+        down = [list(e.ranks) for e in targets if e.failure() is not None or not await self._healthy(e)]
+        moved, tokens, error = 0, 0, None
+        if down:
+            outcome = "fallback"
+            error = f"the vLLM engines over ranks {down} are not serving; the layout stays {self.layout}"
+        else:
+            outcome = "applied" if layout != self.layout else "unchanged"
+            if self._generating():
+                moved, tokens = await self._move(self._batch, targets)
+            self.layout = layout
+        self.epoch = plan.epoch
+        self.m_epoch.set(self.epoch)
+        self.m_regroups.labels(outcome).inc()
+        self.m_moved.labels("recompute").inc(moved)
+        self._last_ack = RegroupAck(applied_epoch=self.epoch, layout=self.layout, outcome=outcome,
+                                    requests={"recompute": moved} if moved else {},
+                                    seconds=time.perf_counter() - started, error=error)
+        log.info("regroup to %s (epoch %d, %s, %d requests moved with %d tokens generated so far)%s", self.layout,
+                 self.epoch, outcome, moved, tokens, f": {error}" if error else "")
+        return self._last_ack
+
+    async def _move(self, batch: _Batch, targets: list[_Engine]) -> tuple[int, int]:
+        """Moves the running sequences off the active engines that `targets` does not keep, each to a target over
+        its engine's ranks (dealt in turn where a split gives several); returns how many moved, and their tokens
+        generated so far (the target re-prefills them)."""
+        moves = []
+        for engine in self._active():
+            if engine in targets:
+                continue
+            over = [t for t in targets if set(t.ranks) & set(engine.ranks)]
+            mine = [(seq, task) for seq, e, task in batch.running.values() if e is engine]
+            moves += [(seq, task, engine, over[i % len(over)]) for i, (seq, task) in enumerate(mine)]
+        for _, task, _, _ in moves:
+            task.cancel()
+        await asyncio.gather(*(task for _, task, _, _ in moves), return_exceptions=True)
+        for seq, _, source, target in moves:
+            if seq.finish_reason is None and len(seq.tokens) >= seq.request.sampling.max_tokens:
+                seq.finish_reason = "length"  # stopped after its last token, before vLLM said so
+            if seq.finish_reason is not None:
+                self._finish(batch, seq)
+                continue
+            self._start(batch, seq, target, previous=source)
+        return len(moves), sum(len(seq.tokens) for seq, _, _, _ in moves)
 
     def status(self, batch_id: str) -> BatchStatus:
         if batch_id not in self._batches:
@@ -480,7 +637,7 @@ class VllmPod:
     def update_weights(self, update: WeightUpdate) -> PodState:
         self._check_up()
         self._refuse_while_busy("new weights")
-        check_weight_update(update, self.policy_version, receivers=self.config.ranks)
+        check_weight_update(update, self.policy_version, receivers=self.state.weight_receivers)
         if update.transport == "device":
             raise Invalid("transport: device is engine pat's in-pod hand-over (placement colocated); a vLLM pod "
                           "receives the weights over the weight-sync group (transport group)")
@@ -495,10 +652,13 @@ class VllmPod:
     async def _receive(self, update: WeightUpdate) -> None:
         try:
             shapes = {name: list(shape) for name, shape in weight_shapes(self.config.model_dir).items()}
+            # Every engine's workers are members, engine after engine: each engine's first member follows the
+            # workers of the engines before it.
+            offsets = itertools.accumulate((len(e.ranks) for e in self._engines), initial=update.rank_offset)
             await asyncio.gather(*(self._rpc(e, "/collective_rpc", {"method": "pat_receive_weights", "kwargs": {
-                "address": update.address, "world": update.world, "backend": update.backend,
-                "rank_offset": update.rank_offset + e.index * self.config.tp, "version": update.version,
-                "dtype": self.config.dtype, "shapes": shapes}}) for e in self._engines))
+                "address": update.address, "world": update.world, "backend": update.backend, "rank_offset": offset,
+                "version": update.version, "dtype": self.config.dtype, "shapes": shapes}})
+                for e, offset in zip(self._engines, offsets)))
             for e in self._engines:
                 await self._rpc(e, "/reset_prefix_cache", None)
             self.policy_version = update.version
@@ -516,6 +676,11 @@ class VllmPod:
                 raise RuntimeError(f"vLLM engine {e.index} {path}: HTTP {resp.status}: {await resp.text()}")
 
     def metrics(self) -> bytes:
+        self.m_generated.clear()
+        for engine in self._active() if self._engines else []:
+            running = self._batch.running.values() if self._generating() else []
+            self.m_generated.labels(group_label(engine.ranks)).set(sum(len(q.tokens) for q, e, _ in running
+                                                                      if e is engine))
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Families(relabel(self._engine_metrics)))
         return generate_latest(self.registry) + generate_latest(registry)
@@ -540,7 +705,7 @@ class VllmPod:
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         """vLLM's OpenAI API, streamed through; the engine with the fewest requests in flight answers."""
         self._check_up()
-        engine = min(self._engines, key=lambda e: e.in_flight)
+        engine = min(self._active(), key=lambda e: e.in_flight)
         headers = {k: request.headers[k] for k in PROXIED_HEADERS if k in request.headers}
         async with engine.session.request(request.method, f"http://engine{request.rel_url}", headers=headers,
                                           data=await request.read()) as upstream:
@@ -561,7 +726,7 @@ def make_vllm_app(pod: VllmPod, token: str) -> web.Application:
         return _reply(await pod.wait(request.match_info["batch_id"], _wait_seconds(request.query.get("wait"))))
 
     async def regroup(request: web.Request) -> web.Response:
-        raise Conflict("this pod runs vLLM at a fixed TP (generator.engine: vllm): it cannot regroup")
+        return _reply(await pod.regroup(await _payload(request, RegroupPlan)))
 
     async def weights(request: web.Request) -> web.Response:
         return _reply(pod.update_weights(await _payload(request, WeightUpdate)), 202)

@@ -1,0 +1,120 @@
+"""Adaptive TP across vLLM engines in one pod (`--tp-sizes 1,2 --controller operator`): the pod runs an engine per
+group of each layout (two of TP=1, one of TP=2), and an operator's plan moves the running requests between them
+mid-batch: each is stopped and resubmitted on the new group's engine as its prompt plus its tokens so far."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.generator.conftest import rollout
+
+from ..procs import children
+from .conftest import start_pod
+from .test_pod import TOL, policy_logprobs
+
+LONG = 250  # tokens per request (the most the model length leaves): seconds of decoding on 2 cores
+
+
+@pytest.fixture(scope="module")
+def adaptive_pod(vllm_model, vllm_env, tmp_path_factory):
+    pod = start_pod("vllm-adaptive", vllm_model, tmp_path_factory.mktemp("logs"),
+                    {"PAT_JOB_TOKEN": "test-job-token", **vllm_env}, "--tp-sizes", "1,2", "--controller", "operator")
+    try:
+        pod.wait_ready(timeout=400)
+        yield pod
+    finally:
+        pod.stop()
+
+
+def argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
+def descendants(pid: int) -> list[int]:
+    return [d for c in children(pid) for d in (c, *descendants(c))]
+
+
+def batch(tag: str, n: int = 4) -> list[dict]:
+    """n requests of LONG sampled tokens each (ignore_eos), distinct prompts, seeded."""
+    return [rollout(f"{tag}-{i}", [256, 3 + i, 17, 40 + i], LONG, temperature=1.0, seed=i) for i in range(n)]
+
+
+def regroup_mid_batch(pod, tag: str, plan: dict) -> tuple[dict, list[dict]]:
+    """Submits a batch, applies `plan` once every request has generated some tokens (the pod's per-group
+    pat_generator_running_generated_tokens), and returns the acknowledgement and the completions."""
+    requests = batch(tag)
+    pod.submit(tag, requests)
+    deadline = time.monotonic() + 60
+    while sum(v for (name, _), v in pod.metrics().items() if name == "pat_generator_running_generated_tokens") < \
+            8 * len(requests):
+        assert time.monotonic() < deadline, pod.metrics()
+        time.sleep(0.05)
+    ack = pod.ok("POST", "/v1/regroup", plan)
+    completions = pod.finish(tag)
+    assert [c["id"] for c in completions] == [r["id"] for r in requests]
+    return ack, completions
+
+
+def assert_complete_and_the_policys(model, completions: list[dict]) -> None:
+    """Every request has all its tokens, once (no duplicates, none lost across a move), and each token's
+    log-probability, from whichever engine sampled it, is the trainer's."""
+    for c, i in zip(completions, range(len(completions))):
+        assert len(c["token_ids"]) == len(c["logprobs"]) == LONG and c["finish_reason"] == "length", c["id"]
+        prompt = [256, 3 + i, 17, 40 + i]
+        expected = policy_logprobs(model, prompt + c["token_ids"])[len(prompt) - 1:]
+        assert torch.allclose(torch.tensor(c["logprobs"]), expected, atol=TOL), c["id"]
+
+
+def test_a_plan_mid_batch_moves_the_running_requests_to_the_merged_engine_and_back(adaptive_pod, vllm_model):
+    state = adaptive_pod.state()
+    assert (state["layout"], state["epoch"], state["controller"]) == ([1, 1], 0, "operator")
+    assert state["weight_receivers"] == 4  # every worker of the three engines: 2 x TP=1 + 1 x TP=2
+
+    ack, completions = regroup_mid_batch(adaptive_pod, "merge", {"epoch": 1, "layout": [2], "from_epoch": 0})
+    assert ack["outcome"] == "applied" and ack["layout"] == [2], ack
+    assert ack["requests"]["recompute"] == 4, ack  # none can have ended: 32 of their 1000 tokens were out
+    assert_complete_and_the_policys(vllm_model, completions)
+    state = adaptive_pod.state()
+    assert (state["layout"], state["epoch"]) == ([2], 1)
+    assert [g["ranks"] for g in state["groups"]] == [[0, 1]]
+    metrics = adaptive_pod.metrics()
+    assert metrics[("pat_generator_regroups_total", (("outcome", "applied"),))] == 1
+    assert metrics[("pat_generator_regroup_requests_total", (("mode", "recompute"),))] == 4
+    assert metrics[("pat_generator_layout_epoch", ())] == 1
+
+    # A split deals the TP=2 engine's requests over the two TP=1 engines.
+    ack, completions = regroup_mid_batch(adaptive_pod, "split", {"epoch": 2, "layout": [1, 1], "from_epoch": 1})
+    assert ack["outcome"] == "applied" and ack["requests"]["recompute"] == 4, ack
+    assert_complete_and_the_policys(vllm_model, completions)
+    # A plan made for another epoch is refused, and a retry of the last one is acknowledged again.
+    status, reply = adaptive_pod.call("POST", "/v1/regroup", {"epoch": 3, "layout": [2], "from_epoch": 1})
+    assert status == 409 and "from_epoch" in reply["error"], reply
+    assert adaptive_pod.ok("POST", "/v1/regroup", {"epoch": 2, "layout": [1, 1]}) == ack
+    status, reply = adaptive_pod.call("POST", "/v1/regroup", {"epoch": 3, "layout": [4]})
+    assert status == 422 and "layout" in reply["error"], reply
+
+
+def test_a_move_to_an_engine_that_died_falls_back_and_loses_no_request(adaptive_pod, vllm_model):
+    """The TP=2 engine is killed (SIGKILL, with its workers): the pod keeps serving on the TP=1 engines it uses, a
+    plan that needs the dead engine falls back before moving anything, and the batch completes where it was."""
+    assert adaptive_pod.state()["layout"] == [1, 1]
+    tp2 = [pid for pid in children(adaptive_pod.proc.pid) if
+           "--tensor-parallel-size" in argv(pid) and argv(pid)[argv(pid).index("--tensor-parallel-size") + 1] == "2"]
+    assert len(tp2) == 1
+    for pid in [tp2[0], *descendants(tp2[0])]:
+        os.kill(pid, signal.SIGKILL)
+    epoch = adaptive_pod.state()["epoch"]
+    ack, completions = regroup_mid_batch(adaptive_pod, "dead", {"epoch": epoch + 1, "layout": [2]})
+    assert ack["outcome"] == "fallback" and ack["layout"] == [1, 1] and not ack["requests"], ack
+    assert "ranks [[0, 1]]" in ack["error"], ack
+    assert_complete_and_the_policys(vllm_model, completions)
+    assert adaptive_pod.call("GET", "/healthz")[0] == 200
