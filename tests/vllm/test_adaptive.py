@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.generator.conftest import rollout
+from pat_workers.engine.loader import load_weights
+from pat_workers.weightsync import WeightSender
+from tests.generator.conftest import Reference, mismatched, rollout
 
 from ..procs import children
 from .conftest import start_pod
@@ -101,6 +103,43 @@ def test_a_plan_mid_batch_moves_the_running_requests_to_the_merged_engine_and_ba
     assert adaptive_pod.ok("POST", "/v1/regroup", {"epoch": 2, "layout": [1, 1]}) == ack
     status, reply = adaptive_pod.call("POST", "/v1/regroup", {"epoch": 3, "layout": [4]})
     assert status == 422 and "layout" in reply["error"], reply
+
+
+def test_weights_reach_every_engine_of_every_layout(adaptive_pod, vllm_model):
+    """Every worker of the three engines is a member of the weight-sync group (4 of them, each TP=2 worker after the
+    TP=1 engines'): after one round both layouts generate what the new weights give (greedy, against this project's
+    engine), which before it they did not."""
+    old = load_weights(vllm_model, torch.float32)
+    g = torch.Generator().manual_seed(11)
+    new = {name: w + 0.5 * w.std() * torch.randn(w.shape, generator=g) for name, w in old.items()}
+    requests = [rollout(f"w-{i}", [256, 9 + i, 33], 8) for i in range(2)]
+    reference = Reference(vllm_model, new)(requests)
+    state = adaptive_pod.state()
+    version, epoch, world = state["policy_version"], state["epoch"], 1 + state["weight_receivers"]
+    assert mismatched(adaptive_pod.generate("w-before", requests, version), reference, TOL) == ["w-0", "w-1"]
+    sender = WeightSender("127.0.0.1:0", world=world)
+    try:
+        send(adaptive_pod, sender, new, version + 1)
+        for layout in ([1, 1], [2], [1, 1]):
+            if adaptive_pod.state()["layout"] != layout:
+                epoch += 1
+                ack = adaptive_pod.ok("POST", "/v1/regroup", {"epoch": epoch, "layout": layout})
+                assert ack["outcome"] == "applied", ack
+            done = adaptive_pod.generate(f"w-{epoch}", requests, version + 1)
+            assert not mismatched(done, reference, TOL), (layout, done)
+        send(adaptive_pod, sender, old, version + 2)  # the model's own again, for the tests after this one
+    finally:
+        sender.close()
+
+
+def send(pod, sender: WeightSender, weights: dict[str, torch.Tensor], version: int) -> None:
+    pod.ok("POST", "/v1/weights", {"version": version, "address": sender.address, "world": sender.world,
+                                   "rank_offset": 1}, 202)
+    sender.send({n: w.shape for n, w in weights.items()}, iter(sorted(weights.items())), version)
+    deadline = time.monotonic() + 60
+    while pod.state()["policy_version"] != version:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
 
 
 def test_a_move_to_an_engine_that_died_falls_back_and_loses_no_request(adaptive_pod, vllm_model):
