@@ -1,8 +1,10 @@
-"""The vLLM pod's pure parts: the engines' command lines and environments, the completion mapping, the merged
-metrics and the failure message taken from vLLM's output."""
+"""The vLLM pod's pure parts: the engines' command lines and environments, the streamed completion and its
+resumption after a move, how requests are dealt to engines, the merged metrics, the failure message taken from
+vLLM's output, and the version check."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -65,6 +67,8 @@ def test_a_rollout_request_streams_into_a_completion_and_resumes_after_a_move_fr
     seq.finish_reason = "length"
     text = Sequence(RolloutRequest(id="t", prompt="hi"), text="ab", finish_reason="length")
     assert completion(text, 0).text == "ab" and completion(text, 0).finish_reason == "length"
+    with pytest.raises(ValueError, match="before the prompt's token ids"):  # the pod fails, naming it
+        absorb(Sequence(request), {"choices": [{"text": "a", "token_ids": [4], "finish_reason": None}]})
     other = Sequence(RolloutRequest(id="u", prompt_token_ids=[1], sampling=Sampling(seed=10)), prompt_ids=[1],
                      tokens=[5])
     assert request_body(other)["seed"] != moved["seed"]  # another request's seed resumes elsewhere

@@ -215,6 +215,9 @@ def absorb(seq: Sequence, chunk: dict) -> None:
     choice = chunk["choices"][0]
     if seq.prompt_ids is None and choice.get("prompt_token_ids") is not None:
         seq.prompt_ids = list(choice["prompt_token_ids"])
+    if seq.prompt_ids is None and choice.get("token_ids"):  # a move could not resume it
+        raise ValueError(f"request {seq.request.id}: vLLM streamed tokens before the prompt's token ids "
+                         f"(return_token_ids)")
     seq.tokens += choice.get("token_ids") or []
     seq.logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
     seq.text += choice.get("text") or ""
