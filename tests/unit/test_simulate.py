@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from pat_workers.cli import main as pat
 from pat_workers.revision import ENGINE_REVISION
 from pat_workers.sim import command, placement
 from pat_workers.sim import simulate as sim
+from pat_workers.sim.lengths import deepscaler_lengths, with_cap_share
 from pat_workers.sim.report import compare, headline, summary
 from pat_workers.sim.hardware import (ENGINE_PROFILE, Efficiency, EngineCosts, Measured, OtherEngine, Roofline,
                                       SimError, hardware, shard_profile)
@@ -67,6 +69,34 @@ def test_the_pod_merges_when_one_request_is_left():
     # Negative control: a margin the gain never beats keeps the TP1 replicas throughout: fixed TP1 exactly.
     never = sim.pod_planner(scenario(BATCH, margin=1e9), TAIL)
     assert never.regroups == [] and never.seconds == sim.fixed(s, TAIL, 1).seconds
+
+
+def test_a_vllm_pod_moves_a_request_by_re_prefilling_it_and_its_engines_keep_every_layouts_weights():
+    """engine vllm: the same merge pays the long request's re-prefill at TP2 (0.001 s + 1e-5 s per context token)
+    where this engine moved its KV; and on a GPU model every layout's weights stay beside each group's KV cache."""
+    s, vllm = scenario(BATCH), sim.adaptive_pod(scenario(BATCH), TAIL, "vllm")[0]
+    assert (s.kv_moves, vllm.kv_moves, sim.adaptive_pod(s, TAIL, "pat")) == (True, False, (s, TAIL))
+    (_, _, new, moved), = sim.pod_planner(s, TAIL).regroups
+    (_, _, new_vllm, prefilled), = sim.pod_planner(vllm, TAIL).regroups
+    assert new == new_vllm == (2,)
+    prefill = planner.REGROUP_FIXED_SECONDS + 0.001 + (PROMPT + 200) * 1e-5
+    assert prefill - 1e-4 < prefilled < prefill + 0.010 and prefilled > moved
+    h200 = hardware("H200", SHAPES["llama-3.1-8b"], Efficiency())
+    _, every = sim.adaptive_pod(replace(s, tp_sizes=(1, 2, 4, 8)), h200, "vllm")
+    weights = SHAPES["llama-3.1-8b"].params * 2
+    for tp in (1, 2, 4, 8):  # the other sizes' shards (1/t of the weights each) take KV tokens away
+        others = sum(weights / t for t in (1, 2, 4, 8) if t != tp)
+        assert every.kv_capacity(tp) == pytest.approx(h200.kv_capacity(tp) - others // h200._kv_bytes_per_rank(tp),
+                                                      abs=1)
+
+
+def test_a_cap_share_puts_that_share_of_the_drawn_responses_at_the_cap():
+    drawn = deepscaler_lengths(1000, 8192, 0)
+    capped = with_cap_share(drawn, 8192, 0.125, 0)
+    changed = [i for i, (a, b) in enumerate(zip(drawn, capped)) if a != b]
+    assert sum(n == 8192 for n in capped) - sum(n == 8192 for n in drawn) == len(changed) <= 125
+    assert sum(n == 8192 for n in capped) >= 125 and all(capped[i] == 8192 for i in changed)
+    assert with_cap_share(drawn, 8192, 0.125, 0) == capped and with_cap_share(drawn, 8192, 0.0, 0) == drawn
 
 
 def test_the_pod_policy_calls_the_planner_as_the_coordinator_does(monkeypatch):
@@ -220,6 +250,45 @@ def test_the_command_on_a_job_and_a_preset(tmp_path, capsys, checkout):
     assert "vs verl's default (fixed TP2)" in out
 
 
+def test_the_command_with_vllm_pods_keeps_the_fixed_layouts_and_runs_the_adaptive_ones_on_vllms_terms(tmp_path,
+                                                                                                       capsys):
+    runs = {}
+    for engine in ("pat", "vllm"):
+        code, out, _ = run_pat(["--preset", "paper-llama8b", "--cap", "1024", "--cap-share", "0.125", "--engine",
+                                engine, "--out", str(tmp_path / engine)], capsys)
+        assert code == 0, out
+        runs[engine] = json.loads(out.strip().splitlines()[-1])
+        assert runs[engine]["engine"] == engine and ("engine: vllm (adaptive: one engine per group" in out) == (
+            engine == "vllm")
+    pat_run, vllm_run = runs["pat"], runs["vllm"]
+    for tp in (1, 2, 4, 8):  # a fixed layout's vLLM pod runs only its own engines
+        assert vllm_run["policies"][f"fixed TP{tp}"] == pat_run["policies"][f"fixed TP{tp}"]
+    assert vllm_run["policies"]["oracle"] != pat_run["policies"]["oracle"]  # the adaptive pod's terms differ
+    assert "engine_profile" not in vllm_run or vllm_run["engine_profile"] is None  # that profile is this engine's
+    assert all(isinstance(vllm_run[key], float) for key in REDUCTIONS)
+
+
+def test_the_sweep_runs_the_grid_and_reports_each_fixed_layouts_worst_and_best_against_the_planner(capsys):
+    code, out, _ = run_pat(["--preset", "paper-llama8b", "--cap", "1024", "--sweep"], capsys)
+    assert code == 0, out
+    result = json.loads(out.strip().splitlines()[-1])
+    points = result["sweep"]
+    grid = {(p["cap_share"], p["floor_scale"], p["step_cpu_seconds"]) for p in points}
+    assert len(points) == len(grid) == 4 * 3 * 2
+    assert {share for share, _, _ in grid} == set(command.SWEEP_CAP_SHARES)
+    for layout in ("fixed TP1", "fixed TP2", "fixed TP4", "fixed TP8"):
+        ratios = [p["fixed_over_planner"][layout] for p in points]
+        assert (result["fixed_worst_over_planner"][layout], result["fixed_best_over_planner"][layout]) == (
+            max(ratios), min(ratios))
+        assert f"{layout}: worst {max(ratios):.3f}, best {min(ratios):.3f}" in out
+    assert result["planner_worst_over_best_fixed"] == pytest.approx(
+        max(1 / min(p["fixed_over_planner"].values()) for p in points), abs=1e-4)
+    # The terms vary the costs: a doubled per-layer floor or a per-step CPU time makes every batch slower.
+    by = {(p["cap_share"], p["floor_scale"], p["step_cpu_seconds"]): p["planner_seconds"] for p in points}
+    assert by[(0.0, 2.0, 0.0)] > by[(0.0, 1.0, 0.0)] > by[(0.0, 0.5, 0.0)] and by[(0.0, 1.0, 0.0025)] > by[
+        (0.0, 1.0, 0.0)]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--preset", "paper-gpt5"], "known: paper-llama8b, paper-qwen14b"),
     (["--preset", "paper-llama8b", "--hardware", "TPU"],
@@ -227,6 +296,9 @@ def test_the_command_on_a_job_and_a_preset(tmp_path, capsys, checkout):
     (["--preset", "paper-llama8b", "--model", "gpt2"], "--model 'gpt2' is unknown; known: llama-3.1-8b"),
     ([str(ROOT / "examples" / "llama-3.1-8b.yaml")], "pass --model-config /models/Llama-3.1-8B-Instruct/config.json"),
     ([], "give a job YAML or --preset NAME"),
+    (["--preset", "paper-llama8b", "--cap-share", "1.5"], "--cap-share=1.5: give a share in [0, 1]"),
+    (["--preset", "paper-llama8b", "--cap-share", "0.1", "--lengths", "x.json"], "(not with --lengths"),
+    (["--preset", "paper-llama8b", "--cap-share", "0.1", "--sweep"], "nor with --sweep, which varies it"),
 ])
 def test_bad_input_names_the_flag_and_the_fix(argv, message, capsys):
     code, _, err = run_pat(argv, capsys)
@@ -255,6 +327,10 @@ def test_the_command_takes_a_measured_profile(tmp_path, capsys):
     algorithm = yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())["spec"]["algorithm"]
     assert times["fixed TP1"] < times["fixed TP2"]
     assert result["responses"] == algorithm["promptsPerIteration"] * algorithm["samplesPerPrompt"]
+    # A measured profile has no GPU model terms to vary: --sweep says so.
+    code, _, err = run_pat([str(ROOT / "examples" / "local.yaml"), "--hardware", str(tmp_path / "cpu.json"),
+                            "--sweep"], capsys)
+    assert code == 2 and "--sweep varies the GPU model's terms: give a GPU (--hardware NAME)" in err, err
 
 
 def test_bad_files_name_the_flag(tmp_path, capsys):

@@ -22,13 +22,19 @@ from pat_operator.fit import GPU_PRODUCT_LABEL, GPUS, SHAPES, ModelShape, read_s
 from .calibration import fitted
 from .hardware import (ENGINE_PROFILE, HOW_TO_MEASURE, Efficiency, OtherEngine, Roofline, SimError, StepCosts,
                        hardware, measured_profile)
-from .lengths import deepscaler_lengths, read_lengths
+from .lengths import deepscaler_lengths, read_lengths, with_cap_share
 from .placement import Placement, job_placements, preset_placements, resized, switch_seconds
 from .report import Trainer, compare, headline, plots, summary, table
-from .simulate import POLICIES, Scenario
+from .simulate import ENGINES, POLICIES, Scenario, adaptive_pod, fixed
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository, where bench/results is (absent from an installed wheel)
 VERL_ROLLOUT_TP = 2  # verl's default rollout tensor_model_parallel_size (ppo_trainer.yaml)
+# --sweep: the shares of responses at the cap, and the GPU model's least certain terms: its fitted per-layer floor
+# scaled, and a per-step CPU time (the fit has none: a graph-captured engine whose scheduling overlaps the GPU step;
+# 2.5 ms is an engine whose host work does not overlap). Assumed ranges, not measurements.
+SWEEP_CAP_SHARES = (0.0, 0.05, 0.125, 0.25)
+SWEEP_FLOOR_SCALES = (0.5, 1.0, 2.0)
+SWEEP_STEP_CPU_SECONDS = (0.0, 2.5e-3)
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lengths", type=Path, help="response lengths: a JSON list, or a `pat run` folder (its "
                                                  "rollouts); default DeepScaleR-like, drawn")
     ap.add_argument("--cap", type=int, help="response length cap (default: the job's maxResponseTokens)")
+    ap.add_argument("--cap-share", type=float, help="the share of the drawn responses that run to the cap "
+                                                    "(truncated), e.g. 0.125; default none beyond the draw's")
+    ap.add_argument("--engine", choices=ENGINES, default="pat",
+                    help="the generator pods' engine: pat (regroups in place, KV moved or recomputed) or vllm (one "
+                         "engine per group of every layout, all awake, a moved request re-prefilled; fixed layouts "
+                         "hold only their own engines)")
     ap.add_argument("--prompt-tokens", type=int, help="tokens per prompt (default 256, or what the job's maxSeq "
                                                       "leaves)")
     ap.add_argument("--seed", type=int, default=0, help="of the drawn lengths (the planner learns from seed + 1)")
@@ -102,6 +114,10 @@ def parser() -> argparse.ArgumentParser:
                     help="the iteration colocated (every GPU generates, then every GPU trains) or separate (generator "
                          "pods and trainer GPUs), or both at the same GPU count (default: the job's spec.placement; "
                          "a preset's setup is separate)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="instead of one batch, a grid: shares at the cap (of drawn lengths) x the GPU model's "
+                         "per-layer floor at half, once and twice its fit x a per-step CPU time of 0 or 2.5 ms; "
+                         "prints each fixed layout's worst loss against the planner across it")
     ap.add_argument("--out", type=Path, help="folder for the plots (default runs/simulate-<time>)")
     return ap
 
@@ -113,6 +129,9 @@ def main(argv: list[str]) -> int:
     for flag in ("cap", "prompt_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise SimError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: use 1 or more tokens")
+    if args.cap_share is not None and (not 0 <= args.cap_share <= 1 or args.lengths is not None or args.sweep):
+        raise SimError(f"--cap-share={args.cap_share}: give a share in [0, 1] of the drawn lengths (not with "
+                       f"--lengths, which are given, nor with --sweep, which varies it)")
     if not 0 < args.trainer_mfu <= 1 or args.plan_seconds < 0:
         raise SimError(f"--trainer-mfu={args.trainer_mfu} (use a fraction in (0, 1]) or --plan-seconds="
                        f"{args.plan_seconds} (use >= 0) is out of range")
@@ -132,10 +151,15 @@ def main(argv: list[str]) -> int:
     gpu = costs.gpu if isinstance(costs, Roofline) else GPUS["H200"]
     placement = setup.placements[name]
     scenario, costs = _placed(setup, placement, args), _placed_costs(costs, placement)
+    if args.sweep:
+        return _sweep(setup, scenario, costs, args)
     trainer = Trainer(gpu, placement.trainer_gpus, args.trainer_mfu)
     train_seconds, switch = trainer.seconds(shape, tokens), switch_seconds(shape, gpu, placement)
 
     print(f"model: {shape.name} ({shape.params / 1e6:,.0f}M parameters); costs: {costs.description}")
+    if args.engine == "vllm":
+        print("engine: vllm (adaptive: one engine per group of every layout, all awake, KV per TP=1 group "
+              f"{adaptive_pod(scenario, costs, 'vllm')[1].kv_capacity(1):.0f} tokens; a moved request re-prefilled)")
     lengths = scenario.lengths
     print(f"placement: {placement.describe()} ({placement.gpus} GPUs)")
     print(f"batch: {len(lengths)} responses on one pod of {scenario.world} ranks, lengths mean "
@@ -154,10 +178,11 @@ def main(argv: list[str]) -> int:
                            "generator_pods": placement.pods, "gpus": placement.gpus,
                            # of the GPU model's fit (docs/cost-model.md); none for a measured profile
                            "holdout_error": round(calibration.holdout_error, 4) if gpu_modelled else None}
-    result = _compare(setup, scenario, costs, train_seconds, switch, about, out)
+    about |= {"engine": args.engine}
+    result = _compare(setup, scenario, costs, train_seconds, switch, about, out, args.engine)
     if chosen == "both":
         result |= _placements(setup, args, result, tokens, gpu)
-    if setup.engine_profile is not None:
+    if setup.engine_profile is not None and args.engine == "pat":  # measured: this engine's step costs
         print(f"\nthe same batch on this engine's measured step costs: {setup.engine_profile.description}")
         result["engine_profile"] = _compare(setup, scenario, setup.engine_profile, train_seconds, switch, {},
                                             out / "engine-profile")
@@ -166,6 +191,46 @@ def main(argv: list[str]) -> int:
     (out / "summary.json").write_text(json.dumps(result, indent=2))
     print(f"\nplots and summary.json in {out}")
     print(json.dumps(result))
+    return 0
+
+
+def _sweep(setup: Setup, scenario: Scenario, costs: StepCosts, args: argparse.Namespace) -> int:
+    """--sweep: every fixed layout and the planner at each point of the grid; prints the grid and, per fixed layout,
+    its worst and best ratio to the planner (above 1: the layout is slower), then one JSON object."""
+    if not isinstance(costs, Roofline):
+        raise SimError("--sweep varies the GPU model's terms: give a GPU (--hardware NAME), not a measured profile")
+    shares = SWEEP_CAP_SHARES if args.lengths is None else (None,)  # given lengths: those alone
+    points = []
+    print(f"sweep: {setup.planner} against every fixed layout, engine {args.engine}, {len(scenario.lengths)} responses "
+          f"(cap {scenario.max_tokens}); simulated, not measured\n"
+          f"{'cap share':>9s} {'floor':>6s} {'cpu ms':>6s} {'planner s':>9s}  fixed / planner")
+    for share in shares:
+        batch = scenario if share is None else replace(scenario, **{
+            name: tuple(with_cap_share(list(drawn), scenario.max_tokens, share, seed)) for name, drawn, seed in
+            (("lengths", scenario.lengths, args.seed), ("prior", scenario.prior, args.seed + 1))})
+        for scale in SWEEP_FLOOR_SCALES:
+            for cpu in SWEEP_STEP_CPU_SECONDS:
+                varied = replace(costs, efficiency=replace(costs.efficiency, step_overhead_s=cpu,
+                                                           layer_floor_s=costs.efficiency.layer_floor_s * scale))
+                planned = POLICIES[setup.planner](*adaptive_pod(batch, varied, args.engine)).seconds
+                ratios = {f"fixed TP{tp}": fixed(batch, varied, tp).seconds / planned for tp in batch.tp_sizes}
+                points.append({"cap_share": share, "floor_scale": scale, "step_cpu_seconds": cpu,
+                               "planner_seconds": round(planned, 3), "fixed_over_planner": {
+                                   k: round(r, 4) for k, r in ratios.items()}})
+                print(f"{'given' if share is None else share:>9} {scale:>6g} {cpu * 1e3:>6g} {planned:>9.2f}  " +
+                      "  ".join(f"{k.removeprefix('fixed ')} {r:.3f}" for k, r in ratios.items()), flush=True)
+    layouts = points[0]["fixed_over_planner"]
+    worst = {k: max(p["fixed_over_planner"][k] for p in points) for k in layouts}
+    best = {k: min(p["fixed_over_planner"][k] for p in points) for k in layouts}
+    print(f"\nacross the {len(points)} points, each fixed layout against {setup.planner} (above 1: slower):")
+    for k in layouts:
+        print(f"  {k}: worst {worst[k]:.3f}, best {best[k]:.3f}" + ("  <- beats the planner somewhere"
+                                                                    if best[k] < 1 else ""))
+    planner_vs_best = max(1 / min(p["fixed_over_planner"].values()) for p in points)
+    print(f"  the planner at most {planner_vs_best:.3f}x the best fixed layout of its point")
+    print(json.dumps({"simulated": True, "sweep": points, "engine": args.engine, "planner": setup.planner,
+                      "fixed_worst_over_planner": worst, "fixed_best_over_planner": best,
+                      "planner_worst_over_best_fixed": round(planner_vs_best, 4)}))
     return 0
 
 
@@ -204,7 +269,7 @@ def _placements(setup: Setup, args: argparse.Namespace, result: dict[str, Any], 
             generation = result["policies"][setup.planner]["generation_seconds"]
         else:
             scenario, costs = _placed(setup, placement, args), _placed_costs(setup.costs, placement)
-            generation = POLICIES[setup.planner](scenario, costs).seconds
+            generation = POLICIES[setup.planner](*adaptive_pod(scenario, costs, args.engine)).seconds
         train = Trainer(gpu, placement.trainer_gpus, args.trainer_mfu).seconds(setup.shape, tokens)
         switch = switch_seconds(setup.shape, gpu, placement)
         iteration = (result["policies"][setup.planner]["iteration_seconds"] if name == result["placement"]
@@ -232,10 +297,11 @@ def _placements(setup: Setup, args: argparse.Namespace, result: dict[str, Any], 
 
 
 def _compare(setup: Setup, scenario: Scenario, costs: StepCosts, train_seconds: float, switch_seconds: float,
-             about: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Every policy on `costs`: prints the table and the headline, writes the plots into `out`; the summary."""
+             about: dict[str, Any], out: Path, engine: str = "pat") -> dict[str, Any]:
+    """Every policy on `costs` with pods of `engine`: prints the table and the headline, writes the plots into
+    `out`; the summary."""
     started = time.perf_counter()
-    results = compare(scenario, costs)
+    results = compare(scenario, costs, engine)
     rest = train_seconds + switch_seconds  # of the iteration, beside generation
     print(table(results, rest))
     about = about | {"hardware": costs.description, "simulation_seconds": round(time.perf_counter() - started, 2)}
@@ -340,6 +406,9 @@ def _lengths(args: argparse.Namespace, n: int, cap: int) -> tuple[tuple[int, ...
     """The batch's response lengths, and the earlier ones the planner learns from: a second draw, or for given
     lengths the same ones (RLHF length distributions drift slowly)."""
     if args.lengths is None:
-        return tuple(deepscaler_lengths(n, cap, args.seed)), tuple(deepscaler_lengths(n, cap, args.seed + 1))
+        draws = [deepscaler_lengths(n, cap, seed) for seed in (args.seed, args.seed + 1)]
+        if args.cap_share is not None:
+            draws = [with_cap_share(d, cap, args.cap_share, seed) for d, seed in zip(draws, (args.seed, args.seed + 1))]
+        return tuple(draws[0]), tuple(draws[1])
     lengths = tuple(min(length, cap) for length in read_lengths(args.lengths))
     return lengths, lengths

@@ -146,6 +146,9 @@ class Roofline:
     weight_bytes: int = BF16  # per weight (1 for an FP8 checkpoint); activations and the KV cache stay 16-bit
     # Of each GPU, held by something else while the engine generates (colocated: the trainer rank's resident states)
     reserved_bytes: float = 0.0
+    # Engines of other TP sizes whose weights stay on each GPU beside a group's own (adaptive TP across vLLM engines:
+    # one engine per group of every layout, all awake)
+    resident_tp_sizes: tuple[int, ...] = ()
     kv_bytes_per_token: int = field(init=False)
 
     def __post_init__(self):
@@ -209,8 +212,9 @@ class Roofline:
         return self.gpu.link_latency_s + nbytes / (self.gpu.link_bytes_per_s * self.efficiency.link)
 
     def kv_capacity(self, tp: int) -> float:
-        free = (self.gpu.memory_bytes * (1 - self.efficiency.memory_reserve) - self.reserved_bytes
-                - self.shape.params * self.weight_bytes / tp)
+        weights = self.shape.params * self.weight_bytes
+        free = (self.gpu.memory_bytes * (1 - self.efficiency.memory_reserve) - self.reserved_bytes - weights / tp
+                - sum(weights / t for t in self.resident_tp_sizes if t != tp))
         return max(free, 0.0) // self._kv_bytes_per_rank(tp)
 
     def engine_costs(self, tp_sizes: Sequence[int], batches: Sequence[int]) -> EngineCosts:

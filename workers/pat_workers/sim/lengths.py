@@ -25,6 +25,14 @@ def deepscaler_lengths(n: int, cap: int, seed: int) -> list[int]:
     return lognormal_lengths(n, cap, seed, DEEPSCALER_MEAN_TOKENS.get(cap, 0.4 * cap) / cap)
 
 
+def with_cap_share(lengths: list[int], cap: int, share: float, seed: int) -> list[int]:
+    """`lengths` with round(share x n) of them, drawn, at the cap: responses truncated there, as reasoning RL has
+    many of early on and whenever the cap is tight (the PAT paper's long tail)."""
+    rng = random.Random(seed)
+    at_cap = set(rng.sample(range(len(lengths)), round(share * len(lengths))))
+    return [cap if i in at_cap else n for i, n in enumerate(lengths)]
+
+
 def read_lengths(path: Path) -> list[int]:
     """A JSON list of lengths, or a run folder of `pat run` (its rollouts/iter-*.json: every response's tokens)."""
     if path.is_dir():

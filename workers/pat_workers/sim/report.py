@@ -11,7 +11,7 @@ from pat_operator.layout import describe
 
 from ..report import save_figure
 from .hardware import StepCosts
-from .simulate import POLICIES, Result, Scenario, fixed
+from .simulate import POLICIES, Result, Scenario, adaptive_pod, fixed
 
 FLOPS_PER_PARAM_TOKEN = 8  # policy forward + backward (6) and one more forward for the old/reference logprobs (2)
 
@@ -31,9 +31,11 @@ class Trainer:
                 f"(assumed)")
 
 
-def compare(scenario: Scenario, costs: StepCosts) -> list[Result]:
-    """Every fixed TP size, then the planner as the pod and as the operator run it, then the oracle."""
-    return [fixed(scenario, costs, tp) for tp in scenario.tp_sizes] + [policy(scenario, costs)
+def compare(scenario: Scenario, costs: StepCosts, engine: str = "pat") -> list[Result]:
+    """Every fixed TP size, then the planner as the pod and as the operator run it, then the oracle, on pods of
+    `engine` (simulate.adaptive_pod)."""
+    adaptive = adaptive_pod(scenario, costs, engine)
+    return [fixed(scenario, costs, tp) for tp in scenario.tp_sizes] + [policy(*adaptive)
                                                                         for policy in POLICIES.values()]
 
 

@@ -28,7 +28,7 @@ from pat_operator.layout import Group, Layout, groups, uniform
 from pat_operator.planner import PLAN_SPACING, REGROUP_FIXED_SECONDS
 from pat_operator.prometheus import PodMetrics, group_requests, histogram_lengths
 
-from .hardware import StepCosts
+from .hardware import Roofline, StepCosts
 
 KV_WATERMARK = 0.99  # of the KV cache that admissions may fill (vLLM keeps 1% free)
 MAX_STEPS = 1 << 62  # a chunk's room when the KV cache never fills
@@ -56,6 +56,7 @@ class Scenario:
     cooldown_seconds: float = 2.0
     plan_seconds: float = 0.01  # one plan()'s duration on the pod's CPU: spaces the pod's plans (PLAN_SPACING)
     regroup_fixed_seconds: float = REGROUP_FIXED_SECONDS
+    kv_moves: bool = True  # this engine moves KV between groups; vLLM engines only re-prefill a moved request
 
 
 @dataclass
@@ -333,10 +334,12 @@ class Pod:
         return out
 
     def regroup_seconds(self, tp: int, contexts: Sequence[int]) -> float:
-        """Barrier and bookkeeping, then per request the cheaper of moving its KV and re-prefilling it."""
+        """Barrier and bookkeeping, then per request the cheaper of moving its KV and re-prefilling it (vLLM: the
+        re-prefill)."""
         kv = self.costs.kv_bytes_per_token
+        move = self.costs.migrate_seconds if self.s.kv_moves else lambda nbytes: math.inf
         return self.s.regroup_fixed_seconds + sum(
-            min(self.costs.migrate_seconds(kv * n), self.costs.prefill_seconds(tp, [n])) for n in contexts)
+            min(move(kv * n), self.costs.prefill_seconds(tp, [n])) for n in contexts)
 
     def run_to_end(self) -> float:
         while (g := self.next_finish()[1]) is not None:
@@ -359,9 +362,10 @@ def planner_inputs(scenario: Scenario, costs: StepCosts) -> PlannerInputs:
     batches = sorted({1 << i for i in range(capacity.bit_length())} | {capacity})
     measured = costs.engine_costs(list(scenario.tp_sizes), batches)
     tp_sizes = [t for t in scenario.tp_sizes if t in measured.decode]
-    return PlannerInputs(planner.Profile.measured(measured),
-                         planner.RegroupCosts.measured(scenario.regroup_fixed_seconds, costs.kv_bytes_per_token,
-                                                       measured.link_bytes_per_s, measured.prefill), tp_sizes)
+    regroup = (planner.RegroupCosts.measured(scenario.regroup_fixed_seconds, costs.kv_bytes_per_token,
+                                             measured.link_bytes_per_s, measured.prefill) if scenario.kv_moves
+               else planner.RegroupCosts(scenario.regroup_fixed_seconds, math.inf, dict(measured.prefill)))
+    return PlannerInputs(planner.Profile.measured(measured), regroup, tp_sizes)
 
 
 # -- policies ----------------------------------------------------------------------------------------------
@@ -516,6 +520,21 @@ def _pod_metrics(pod: Pod, t: float, epoch: int, lengths: list[int], inputs: Pla
 
 def _result(name: str, pod: Pod, plans: int, start: Layout) -> Result:
     return Result(name, pod.finished_at, pod.regroups, plans, pod.finishes, start)
+
+
+ENGINES = ("pat", "vllm")
+
+
+def adaptive_pod(scenario: Scenario, costs: StepCosts, engine: str) -> tuple[Scenario, StepCosts]:
+    """The batch and costs of an adaptive pod of `engine`: this engine's as they are; vLLM's runs one engine per
+    group of every layout, all awake (on a GPU model, their weights beside each other leave less KV cache), and
+    moves a request by re-prefilling it on the new group (no KV moves between engines). A fixed layout's vLLM pod
+    runs only its own engines: `scenario` and `costs` as they are."""
+    if engine == "pat":
+        return scenario, costs
+    if isinstance(costs, Roofline):
+        costs = replace(costs, resident_tp_sizes=scenario.tp_sizes)
+    return replace(scenario, kv_moves=False), costs
 
 
 POLICIES: dict[str, Callable[[Scenario, StepCosts], Result]] = {
