@@ -590,8 +590,10 @@ class Controller:
                 profile.restore(tp, row)
         layout = tuple(layout) if layout is not None else self._base or uniform(world)
         running = spread([(prompt, 0) for prompt in prompts], groups(layout))
-        decision = plan(layout, running, profile, predictor, costs, self.tp_sizes, self.effective_margin,
-                        at_boundary=True)
+        # Where a request can only move by re-prefilling it (vLLM engines), a start not taken now is taken later at
+        # the price of re-prefilling everything running then: the start is the fastest predicted, no margin.
+        margin = 0.0 if math.isinf(costs.kv_seconds_per_token) else self.effective_margin
+        decision = plan(layout, running, profile, predictor, costs, self.tp_sizes, margin, at_boundary=True)
         if decision.layout is not None:
             self._try(layout, decision.layout, {g: len(r) for g, r in running.items()}, profile)
             self.regrouped()

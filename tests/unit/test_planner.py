@@ -6,6 +6,7 @@ runs with 1, .5. Every case below sums T(tp, n(k)) over those steps by hand.
 """
 
 import json
+import math
 
 import pytest
 
@@ -249,6 +250,18 @@ def test_plan_at_a_boundary_splits_when_replicas_are_faster_for_a_big_batch():
     assert_decision(d, (1, 1), 6.72, 5.6, 0.1, "regroup (2,)->(1, 1): 6.72 s -> 5.6 s + 0.1 s")
     d = ctl.start_batch(2, [10] * 16, profile, LengthPredictor(4), COSTS)  # already TP1 replicas: stay
     assert_decision(d, None, 5.6, 6.72, 0.1, "stay: the gain is under")
+
+
+def test_a_start_whose_requests_could_only_move_by_re_prefilling_takes_the_fastest_layout_without_a_margin():
+    # 16 fresh prompts, TP1 replicas 5.6 s as above, TP2 5.4 s (n = 16, 12, 8, 4 at 1.35 s): a gain of 4%, under
+    # the 10% margin. This engine's pod starts on the replicas (merging later moves KV cheaply); a pod whose moves
+    # re-prefill every running context (vLLM engines: no KV moves, kv_seconds_per_token inf) starts on TP2.
+    profile = Profile({1: {1: 1.0, 8: 1.7}, 2: {1: 1.35, 16: 1.35}})
+    d = Controller([1, 2]).start_batch(2, [10] * 16, profile, LengthPredictor(4), COSTS)
+    assert_decision(d, None, 5.6, 5.4, 0.1, "stay: the gain is under")
+    re_prefill = RegroupCosts(fixed_seconds=0.1, kv_seconds_per_token=math.inf, prefill=COSTS.prefill)
+    d = Controller([1, 2]).start_batch(2, [10] * 16, profile, LengthPredictor(4), re_prefill)
+    assert_decision(d, (2,), 5.6, 5.4, 0.1, "regroup (1, 1)->(2,): 5.6 s -> 5.4 s + 0.1 s")
 
 
 def test_plan_at_a_boundary_spreads_requests_as_the_pod_submits_them():
