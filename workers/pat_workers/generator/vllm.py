@@ -279,7 +279,7 @@ class _Families:
         return self.families
 
 
-@dataclass
+@dataclass(eq=False)  # one engine process: compared by identity
 class _Engine:
     index: int
     ranks: Group
@@ -329,6 +329,7 @@ class VllmPod:
         self.layout = list(uniform(config.ranks, config.tp))
         self.epoch = 0
         self._last_ack: RegroupAck | None = None
+        self._regrouping = asyncio.Lock()  # one plan at a time: a plan awaits the engines, another could interleave
         self._tasks: set[asyncio.Task] = set()
         self._stopping = threading.Event()
         self._on_exit: Callable[[], None] | None = None
@@ -566,6 +567,10 @@ class VllmPod:
         layout is not serving."""
         if len(self.config.sizes) == 1:
             raise Conflict(f"this pod runs vLLM at a fixed TP={self.config.tp} (no --tp-sizes): it cannot regroup")
+        async with self._regrouping:
+            return await self._regroup(plan)
+
+    async def _regroup(self, plan: RegroupPlan) -> RegroupAck:
         self._check_up()
         self._refuse_while_receiving("a regroup")
         if (retry := check_plan(plan, self.epoch, self.layout, self._last_ack)) is not None:
