@@ -137,7 +137,7 @@ class PodState(_Model):
     controller: Literal["pod", "operator"]
     world: int = Field(description="engine ranks (one per GPU)")
     weight_receivers: int = Field(ge=1, description="members of the trainer's weight-sync group this pod joins: "
-                                  "each engine rank (engine pat), or the pod once (engine vllm)")
+                                  "each engine rank (engine pat), or each worker of every vLLM engine (engine vllm)")
     engine: Literal["pat", "vllm"] = "pat"
     dtype: str
     memory: Literal["held", "released"] = Field("held", description="released after POST /v1/sleep: the ranks hold "
