@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -205,9 +206,8 @@ def _sweep(setup: Setup, scenario: Scenario, costs: StepCosts, args: argparse.Na
           f"(cap {scenario.max_tokens}); simulated, not measured\n"
           f"{'cap share':>9s} {'floor':>6s} {'cpu ms':>6s} {'planner s':>9s}  fixed / planner")
     for share in shares:
-        batch = scenario if share is None else replace(scenario, **{
-            name: tuple(with_cap_share(list(drawn), scenario.max_tokens, share, seed)) for name, drawn, seed in
-            (("lengths", scenario.lengths, args.seed), ("prior", scenario.prior, args.seed + 1))})
+        batch = scenario if share is None else replace(scenario, **dict(zip(("lengths", "prior"), _at_cap(
+            scenario.lengths, scenario.prior, scenario.max_tokens, share, args.seed))))
         for scale in SWEEP_FLOOR_SCALES:
             for cpu in SWEEP_STEP_CPU_SECONDS:
                 varied = replace(costs, efficiency=replace(costs.efficiency, step_overhead_s=cpu,
@@ -406,9 +406,15 @@ def _lengths(args: argparse.Namespace, n: int, cap: int) -> tuple[tuple[int, ...
     """The batch's response lengths, and the earlier ones the planner learns from: a second draw, or for given
     lengths the same ones (RLHF length distributions drift slowly)."""
     if args.lengths is None:
-        draws = [deepscaler_lengths(n, cap, seed) for seed in (args.seed, args.seed + 1)]
-        if args.cap_share is not None:
-            draws = [with_cap_share(d, cap, args.cap_share, seed) for d, seed in zip(draws, (args.seed, args.seed + 1))]
-        return tuple(draws[0]), tuple(draws[1])
+        lengths, prior = (tuple(deepscaler_lengths(n, cap, seed)) for seed in (args.seed, args.seed + 1))
+        return (lengths, prior) if args.cap_share is None else _at_cap(lengths, prior, cap, args.cap_share, args.seed)
     lengths = tuple(min(length, cap) for length in read_lengths(args.lengths))
     return lengths, lengths
+
+
+def _at_cap(lengths: Sequence[int], prior: Sequence[int], cap: int, share: float, seed: int
+            ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The batch's drawn lengths and the prior's with `share` of each at the cap (the prior with the next seed, as
+    it was drawn)."""
+    return (tuple(with_cap_share(list(lengths), cap, share, seed)),
+            tuple(with_cap_share(list(prior), cap, share, seed + 1)))
