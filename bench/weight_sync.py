@@ -144,7 +144,7 @@ def measure(model_dir: Path, python: str, rounds: int, seed: int = 0) -> dict:
             finally:
                 stop.set()
                 sampler.join()
-                peak = max(peak, disk_bytes(tmp)) if engine == "vllm" else peak
+                peak = max(peak, disk_bytes(tmp))  # the pat pod has no pat-vllm-* directory: 0
                 pod.stop()
             print(f"  {engine}: {len(weights)} tensors, {size / 2**20:.0f} MiB, rounds "
                   f"{' '.join(f'{s:.2f}' for s in results[engine])} s", flush=True)

@@ -117,6 +117,12 @@ class _Member:
         opts.rootRank = 0
         self.group.broadcast([tensor], opts).wait()
 
+    def close(self) -> None:
+        """Shuts the group down (either end; a member that joins another group closes its old one)."""
+        if self.group is not None:
+            self.group.shutdown()
+        self.group = None
+
 
 class WeightSender(_Member):
     """Weight-group rank 0 (the trainer's rank 0): hosts the store at `address` (port 0: any free port; see
@@ -161,11 +167,6 @@ class WeightSender(_Member):
                     else:
                         part.copy_(tensor.detach().reshape(-1))
                 self._broadcast(flat)
-
-    def close(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-        self.group = None
 
 
 class WeightReceiver(_Member):

@@ -27,5 +27,7 @@ class WeightSyncExtension:
         receiver = getattr(self, "_pat_receiver", None)
         if receiver is None or (receiver.world, receiver.rank, receiver.address, receiver.backend) != \
                 (world, rank, address, backend):
+            if receiver is not None:  # the trainer's group changed (a gang restart): leave the old one
+                receiver.close()
             receiver = self._pat_receiver = WeightReceiver(address, world, rank, backend=backend)
         self.reload_weights(weights_iterator=receiver.stream(shapes, getattr(torch, dtype), version, self.device))
