@@ -35,7 +35,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,18 +49,13 @@ from pat_workers.engine.engine import Request
 from pat_workers.engine.generator import LocalGenerator
 from pat_workers.engine.sampling import SamplingParams
 from pat_workers.engine.tiny import PRESETS
+from pat_workers.ports import free_port
 from pat_workers.sim.lengths import lognormal_lengths
 from tail import medians, model_and_options, planner_inputs, requests, run_alternating
 from weight_sync import measure as measure_weight_sync, vllm_python
 
 SERVED_NAME = "bench"
 START_TIMEOUT = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -30,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Self
 from pathlib import Path
+
+from pat_workers.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "controlplane-build.sh"
@@ -48,12 +49,6 @@ def built(script: Path) -> Path:
     if result.returncode != 0:
         raise RuntimeError(f"{script} failed with exit code {result.returncode} (its stderr is above)")
     return Path(result.stdout.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_kubeconfig(path: Path, server: str, ca_file: str | None, token: str, user: str = "admin") -> Path:

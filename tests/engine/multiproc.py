@@ -7,18 +7,13 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
-import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pat_workers.ports import free_port
 
 
 def _rank_main(fn: Callable, rank: int, world: int, port: int, args: tuple, env: dict | None,
@@ -56,7 +51,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 120, env: d
     their results in rank order, None for a rank that exited without one (killed, os._exit). Raises
     RuntimeError with the traceback of every rank that raised, TimeoutError after `timeout` seconds."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs, readers = [], []
     for rank in range(world):
         reader, writer = ctx.Pipe(duplex=False)

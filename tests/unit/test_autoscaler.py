@@ -5,7 +5,6 @@ reported, a superseded plan (409) is dropped quietly, Prometheus errors become t
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 import pytest
@@ -14,16 +13,11 @@ from aiohttp import web
 from pat_operator.api import Generator
 from pat_operator.autoscaler import AutoscaleSettings, Autoscaler
 from pat_operator.operator_metrics import OperatorMetrics
+from pat_workers.ports import free_port
 
 from .test_autoscale_inputs import pod_series, scraped
 
 POD = "job-generator-0"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _round(pod_answers: list[tuple[int, dict]], prometheus_status: int = 200, ticks: int = 1):
@@ -46,7 +40,7 @@ async def _round(pod_answers: list[tuple[int, dict]], prometheus_status: int = 2
     app.add_routes([web.get("/api/v1/query", query), web.post("/v1/regroup", regroup)])
     runner = web.AppRunner(app)
     await runner.setup()
-    port = _port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     generator = Generator.model_validate({"gpusPerPod": 0, "ranksPerPod": 2, "port": port,
                                           "adaptiveTP": {"controller": "operator", "cooldownSeconds": 0}})

@@ -9,7 +9,6 @@ import ast
 import json
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -29,6 +28,7 @@ from pat_operator.api import PHASES
 from pat_operator.operator_metrics import PROMETHEUS_ERROR_REASONS, REGROUP_PLAN_OUTCOMES, OperatorMetrics
 from pat_operator.podapi import RegroupAck
 from pat_workers.engine.metrics import EngineMetrics
+from pat_workers.ports import free_port
 from pat_workers.trainer.loop import TrainerMetrics
 from tests.cluster.dashboards import (BUILTINS, OPERATOR, RLHF_JOB, annotation_queries, load, panel_queries, panels,
                                       substitute, unfiltered, variable_queries)
@@ -420,12 +420,6 @@ def serve_text(registry: CollectorRegistry) -> ThreadingHTTPServer:
     return server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _query(url: str, promql: str) -> list:
     with urllib.request.urlopen(f"{url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}", timeout=5) as r:
         body = json.load(r)
@@ -453,7 +447,7 @@ def test_a_real_prometheus_answers_every_query_from_the_first_scrapes(tmp_path):
     config = tmp_path / "prometheus.yml"
     config.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
                                       "scrape_configs": scrape}))
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     log = tmp_path / "prometheus.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",

@@ -5,7 +5,6 @@ count, the last regroup's time, the plan epoch)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from types import SimpleNamespace
 
 import aiohttp
@@ -13,6 +12,7 @@ from aiohttp import web
 
 from pat_operator.handlers import _Observer
 from pat_operator.podapi import GroupState, PodState
+from pat_workers.ports import free_port
 
 POD = "job-generator-0"
 STATUS = {"generators": [{"pod": POD, "layout": [2], "desiredEpoch": 4, "appliedEpoch": 4, "regroups": 3,
@@ -31,9 +31,7 @@ async def _observe(status: dict | None) -> dict:
     app.add_routes([web.get("/v1/state", serve)])
     runner = web.AppRunner(app)
     await runner.setup()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
         async with aiohttp.ClientSession() as session:

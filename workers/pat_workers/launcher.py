@@ -23,7 +23,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from pat_operator.fit import read_shape
 from pat_operator.podclient import PodClient
 
 from . import report
+from .ports import free_port
 from .turns import Turns
 from .engine.tiny import make_tiny_model
 from .trainer import data
@@ -51,12 +51,6 @@ DATASET_VOCAB = 64  # tokens of a tokenizer trained on the dataset
 
 class LaunchError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepare(job: RLHFJob, run_dir: Path) -> Path:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pat_operator import layout as layouts
 from pat_operator.layout import Group, Layout
 
+from ..ports import free_port
 from .config import ModelConfig
 from .costs import Costs
 from .engine import Request
@@ -68,12 +68,6 @@ class RunResult:
     regroups: list[RegroupRecord] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalGenerator:
     """`world` engine ranks as local processes (one per GPU when CUDA is present, else one per CPU core).
 
@@ -119,7 +113,7 @@ class LocalGenerator:
         ctx.set_forkserver_preload(["pat_workers.engine.rank"])
         self._events = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(self.world)]
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         for rank in range(self.world):
             p = ctx.Process(target=rank_main, name=f"pat-rank-{rank}", daemon=True,
                             args=(rank, self.world, self.model_dir, self.options, init, self._commands,
