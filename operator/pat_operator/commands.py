@@ -47,6 +47,8 @@ def _vllm_generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_fil
             "--gpu-memory-utilization", str(v.gpu_memory_utilization),
             "--max-model-len", str(v.max_model_len or g.max_seq), "--dtype", spec.model.dtype,
             "--device", "cuda" if g.gpus_per_pod else "cpu"]
+    if g.adaptive:
+        args += ["--tp-sizes", ",".join(map(str, g.tp_sizes)), "--controller", g.adaptive_tp.controller]
     if v.enforce_eager:
         args += ["--enforce-eager"]
     if spec.tokenizer.path:

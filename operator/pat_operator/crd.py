@@ -216,9 +216,17 @@ def _rules() -> dict[str, list[tuple[str, str]]]:
             (_when(["vllm.maxModelLen"], f"self.vllm.maxModelLen >= {_value('maxSeq', api.Generator)}"),
              "generator.vllm.maxModelLen is below generator.maxSeq: vLLM would refuse the longest sequences; raise "
              "it or leave it out"),
-            (_when(["engine", "adaptiveTP.enabled"], "self.engine != 'vllm' || !self.adaptiveTP.enabled"),
-             "generator.adaptiveTP.enabled: true needs generator.engine: pat (vLLM cannot change its TP at runtime); "
-             "set adaptiveTP.enabled: false or leave it out"),
+            (_when(["engine", "adaptiveTP.enabled"], "self.engine != 'vllm' || !self.adaptiveTP.enabled || "
+                   "has(self.adaptiveTP.controller) && self.adaptiveTP.controller == 'operator'"),
+             "generator.adaptiveTP.controller: pod plans engine pat's ranks only; with engine vllm set "
+             "adaptiveTP.controller: operator"),
+            (_when(["engine", "adaptiveTP.enabled"], "self.engine != 'vllm' || !self.adaptiveTP.enabled || "
+                   f"{_value('gpusPerPod', api.Generator)} == 0"),
+             "generator.adaptiveTP.enabled with engine vllm runs on CPU only (gpusPerPod: 0); set "
+             "adaptiveTP.enabled: false or use engine pat"),
+            (_when(["engine", "adaptiveTP.enabled", "vllm.tensorParallelSize"], "self.engine != 'vllm' || "
+                   "!self.adaptiveTP.enabled || self.vllm.tensorParallelSize == 1"),
+             "generator.vllm.tensorParallelSize with adaptive TP: every rollout batch starts at TP=1; leave it at 1"),
         ],
         "RLHFJobSpec": _spec_rules(),
     }

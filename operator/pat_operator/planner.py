@@ -279,6 +279,8 @@ class RegroupCosts:
         """Moving one request into a group of size tp: the cheaper of moving its KV and re-prefilling it, as the
         engine picks per request (a TP size without a prefill measurement can only move KV)."""
         a, b = self.prefill.get(tp, (math.inf, 0.0))
+        if context_tokens == 0:  # a waiting request: nothing to move (and inf * 0, where KV cannot move, is nan)
+            return 0.0
         return min(self.kv_seconds_per_token * context_tokens, a + b * context_tokens)
 
 

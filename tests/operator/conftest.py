@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -77,6 +79,20 @@ class Jobs:
                 raise AssertionError(f"{what}: not reached in {timeout:.0f} s; status: "
                                      f"{yaml.safe_dump(job.get('status'))}\nevents: {self.events(name)}\n{explain()}")
             time.sleep(0.25)
+
+
+@pytest.fixture
+def tail_data():
+    """The long-tailed dataset (tailjob.py) with TAIL-token long responses, readable by the pods' non-root user
+    (pytest's tmp_path is private to root)."""
+    from .tailjob import TAIL, write_dataset  # tailjob builds on this module's job_doc
+
+    path = Path(tempfile.mkdtemp(prefix="pat-tail-"))
+    path.chmod(0o755)
+    write_dataset(path, TAIL)
+    (path / "tail.jsonl").chmod(0o644)
+    yield path
+    shutil.rmtree(path)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from typing import Any
 from .conftest import job_doc
 
 SHORT = 16
+TAIL = 400  # tokens of the long responses of the tests' dataset: at TP=1 on this CPU its tail lasts seconds
 
 
 def problems(longs: int) -> int:
@@ -57,6 +58,21 @@ def tail_job(name: str, data_dir: Path, long: int, controller: str = "operator",
     spec["checkpoint"] = {"everyIterations": iterations, "keep": 1, "path": "/var/lib/pat/run",
                           "volume": {"persistentVolumeClaim": {"claimName": f"{name}-run"}}}
     return doc
+
+
+def run_job(jobs, cluster, doc: dict, timeout: float = 420, ends: str = "Succeeded") -> dict:
+    """Creates the job and its run claim, waits for it to end, and asserts how it ended."""
+    name = doc["metadata"]["name"]
+    jobs.core.create_namespaced_persistent_volume_claim(jobs.namespace, claim(name))
+    jobs.create(doc)
+
+    def logs() -> str:
+        return "\n".join(f"--- {p.metadata.name}\n{cluster.kubelet.log(jobs.namespace, p.metadata.name, c)[-3000:]}"
+                         for p in jobs.pods(name) for c in (p.metadata.labels["pat.dev/role"],))
+    job = jobs.wait(name, lambda j: (j.get("status") or {}).get("phase") in ("Succeeded", "Failed"), "finished",
+                    timeout=timeout, explain=logs)
+    assert job["status"]["phase"] == ends, f"{job['status']}\n{logs()}"
+    return job
 
 
 def claim(name: str) -> dict[str, Any]:

@@ -6,58 +6,29 @@ rank that dies inside an operator-sent regroup: reported, and the gang restart t
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 
-from .tailjob import claim, rollouts, tail_job, write_dataset
+from .tailjob import TAIL, rollouts, run_job, tail_job
 
 pytestmark = pytest.mark.cluster
-LONG = 400  # tokens: the tail lasts ~15 s at TP=1 on this machine
-
-
-def _run(jobs, cluster, doc: dict, timeout: float = 420, ends: str = "Succeeded") -> dict:
-    name = doc["metadata"]["name"]
-    jobs.core.create_namespaced_persistent_volume_claim(jobs.namespace, claim(name))
-    jobs.create(doc)
-
-    def logs() -> str:
-        return "\n".join(f"--- {p.metadata.name}\n{cluster.kubelet.log(jobs.namespace, p.metadata.name, c)[-3000:]}"
-                         for p in jobs.pods(name) for c in (p.metadata.labels["pat.dev/role"],))
-    job = jobs.wait(name, lambda j: (j.get("status") or {}).get("phase") in ("Succeeded", "Failed"), "finished",
-                    timeout=timeout, explain=logs)
-    assert job["status"]["phase"] == ends, f"{job['status']}\n{logs()}"
-    return job
 
 
 def _conditions(job: dict) -> dict[str, dict]:
     return {c["type"]: c for c in job["status"]["conditions"]}
 
 
-@pytest.fixture
-def data_dir():
-    """The dataset, readable by the pods' non-root user (pytest's tmp_path is private to root)."""
-    path = Path(tempfile.mkdtemp(prefix="pat-tail-"))
-    path.chmod(0o755)
-    write_dataset(path, LONG)
-    (path / "tail.jsonl").chmod(0o644)
-    yield path
-    shutil.rmtree(path)
-
-
 @pytest.mark.timeout(900)  # three whole jobs back to back: 462 s alone on a slow 2-core host, past 600 in the suite
-def test_adaptive_tp_end_to_end(jobs, cluster, prometheus, operator, data_dir):
+def test_adaptive_tp_end_to_end(jobs, cluster, prometheus, operator, tail_data):
     claim_dir = lambda name: cluster.kubelet.claim_dir(jobs.namespace, f"{name}-run")  # noqa: E731
 
     # Adaptive TP off: every rank a TP=1 replica throughout.
-    job = _run(jobs, cluster, tail_job("fixed", data_dir, LONG, enabled=False))
+    job = run_job(jobs, cluster, tail_job("fixed", tail_data, TAIL, enabled=False))
     assert job["status"]["generators"][0].get("regroups", 0) == 0
     fixed = rollouts(claim_dir("fixed"), 1)
 
     # The operator plans from Prometheus.
-    job = _run(jobs, cluster, tail_job("op", data_dir, LONG, prometheus_url=prometheus.url))
+    job = run_job(jobs, cluster, tail_job("op", tail_data, TAIL, prometheus_url=prometheus.url))
     generator = job["status"]["generators"][0]
     assert generator["regroups"] >= 1 and generator["appliedEpoch"] >= generator["desiredEpoch"] >= 1, generator
     assert generator.get("lastRegroupTime")
@@ -72,7 +43,7 @@ def test_adaptive_tp_end_to_end(jobs, cluster, prometheus, operator, data_dir):
     assert operator.value('pat_operator_regroup_plans_total{outcome="applied"}') >= 1
 
     # The pod plans for itself: no Prometheus, no MetricsAvailable condition.
-    job = _run(jobs, cluster, tail_job("pod", data_dir, LONG, controller="pod"))
+    job = run_job(jobs, cluster, tail_job("pod", tail_data, TAIL, controller="pod"))
     assert "MetricsAvailable" not in _conditions(job)
     log = cluster.kubelet.log(jobs.namespace, "pod-generator-0", "generator")
     assert "regroup (1, 1) -> (2,)" in log, log[-3000:]
@@ -80,12 +51,12 @@ def test_adaptive_tp_end_to_end(jobs, cluster, prometheus, operator, data_dir):
 
 
 def test_a_rank_dying_in_an_operator_regroup_fails_the_plan_and_the_gang_restarts(jobs, cluster, prometheus,
-                                                                                   operator, data_dir):
+                                                                                   operator, tail_data):
     # Rank 1 exits while the ranks exchange KV for the operator's 1+1 -> 2. Rank 0 falls back to TP=1 with every
     # request; the pod then fails (a dead rank's communicators cannot be trusted again), and the gang restarts
     # from the last checkpoint. The failpoint is in the pod's environment, so every attempt dies the same way:
     # past backoffLimit the job fails.
-    doc = tail_job("dies", data_dir, LONG, prometheus_url=prometheus.url)
+    doc = tail_job("dies", tail_data, TAIL, prometheus_url=prometheus.url)
     doc["spec"]["runPolicy"]["backoffLimit"] = 1
     doc["spec"]["generator"]["env"] = [{"name": "PAT_FAILPOINTS", "value": "regroup.transfer@1"}]
     # Any predicted gain merges: the test is of the failure, not of the planner's judgement (with the 10% margin,
@@ -93,11 +64,11 @@ def test_a_rank_dying_in_an_operator_regroup_fails_the_plan_and_the_gang_restart
     # profile measured on a loaded host once still predicted no gain). So the pod exports an offline profile in
     # which TP=2 is 10x faster at every batch: the operator plans the merge as soon as it sees the batch.
     doc["spec"]["generator"]["adaptiveTP"]["minGain"] = 0.0
-    (data_dir / "profile.json").write_text(json.dumps(
+    (tail_data / "profile.json").write_text(json.dumps(
         {"decode": {"1": {"1": 0.02, "16": 0.05}, "2": {"1": 0.002, "16": 0.005}}}))
-    (data_dir / "profile.json").chmod(0o644)
+    (tail_data / "profile.json").chmod(0o644)
     doc["spec"]["generator"]["adaptiveTP"]["profile"] = "/data/profile.json"
-    job = _run(jobs, cluster, doc, ends="Failed")
+    job = run_job(jobs, cluster, doc, ends="Failed")
     assert job["status"]["restarts"] == 1
     assert next(c for c in job["status"]["conditions"] if c["type"] == "Failed")["reason"] == "BackoffLimitExceeded"
     events = jobs.events("dies")

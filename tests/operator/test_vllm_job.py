@@ -24,7 +24,7 @@ from tests.vllm.conftest import VLLM_MODEL, vllm_python
 from tests.vllm.test_pod import policy_logprobs
 
 from .conftest import job_doc, phase
-from .tailjob import claim
+from .tailjob import SHORT, TAIL, claim, rollouts, run_job, tail_job
 
 pytestmark = pytest.mark.cluster
 ITERATIONS = 3
@@ -115,6 +115,30 @@ def test_a_vllm_job_syncs_weights_every_iteration_resumes_after_a_pod_kill_and_s
     stale = [(policy_logprobs(model_dir, r["prompt"] + r["tokens"])[len(r["prompt"]) - 1:]
               - torch.tensor(r["logprobs"])).abs().mean() for r in last[:8]]
     assert sum(stale) / len(stale) > 10 * GAP_TOL, stale
+
+
+def test_the_operator_regroups_a_vllm_job_in_its_tail(jobs, cluster, prometheus, tail_data):
+    """engine vllm with adaptiveTP (controller operator, tpSizes [1, 2]): the pod runs two TP=1 engines and one
+    TP=2 engine over its two ranks, profiles them at start, and the operator, reading that profile and the queue
+    from Prometheus, moves the batch's long response to the TP=2 engine once the short ones end (the `bench`
+    model, whose decode steps TP=2 shortens on this CPU). Every response keeps its exact length: none lost or
+    duplicated by the move."""
+    name = "vllm-tail"
+    doc = tail_job(name, tail_data, TAIL, prometheus_url=prometheus.url)
+    g = doc["spec"]["generator"]
+    del g["maxBatch"]  # engine pat's
+    g["adaptiveTP"]["tpSizes"] = [1, 2]
+    g.update(engine="vllm", vllm={"enforceEager": True}, env=[{"name": "PAT_VLLM_PYTHON", "value": vllm_python()}])
+    job = run_job(jobs, cluster, doc, timeout=480)
+    generator = job["status"]["generators"][0]
+    assert generator["regroups"] >= 1 and generator["appliedEpoch"] >= 1, generator
+    events = jobs.events(name)
+    assert [e for e in events if e.startswith(f"Regrouped: {name}-generator-0: 1+1 -> 2")], events
+    assert not [e for e in events if e.startswith("RegroupFailed")], events
+    run = cluster.kubelet.claim_dir(jobs.namespace, f"{name}-run")
+    for iteration in (1, 2):
+        lengths = sorted(len(tokens) for tokens in rollouts(run, iteration).values())
+        assert lengths == [SHORT] * 7 + [TAIL], (iteration, lengths)
 
 
 def test_a_model_vllm_cannot_load_fails_the_job_with_vllms_own_message(jobs, cluster, prometheus, model_dir):

@@ -168,6 +168,8 @@ def test_regroup_cost_is_the_cheaper_of_moving_and_recomputing():
     assert costs.request_seconds(2, 200) == pytest.approx(0.15)  # re-prefill: 0.15 < KV 0.2
     assert costs.request_seconds(4, 200) == pytest.approx(0.2)  # no prefill measured at TP=4: KV only
     assert costs.request_seconds(2, 0) == 0  # a waiting request moves for free
+    vllm = RegroupCosts(0.1, math.inf, {2: (0.05, 0.0005)})  # engine vllm: no KV moves, re-prefill only
+    assert vllm.request_seconds(2, 200) == pytest.approx(0.15) and vllm.request_seconds(2, 0) == 0
     with pytest.raises(ValueError, match="fixed_seconds=-1"):
         RegroupCosts(-1, 0.0, {})
 

@@ -4,6 +4,7 @@ mid-batch: each is stopped and resubmitted on the new group's engine as its prom
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pat_operator.autoscaler import decide
+from pat_operator.prometheus import pod_metrics
 from pat_workers.engine.loader import load_weights
 from pat_workers.weightsync import WeightSender
 from tests.generator.conftest import Reference, mismatched, rollout
@@ -50,17 +53,21 @@ def batch(tag: str, n: int = 4) -> list[dict]:
     return [rollout(f"{tag}-{i}", [256, 3 + i, 17, 40 + i], LONG, temperature=1.0, seed=i) for i in range(n)]
 
 
-def regroup_mid_batch(pod, tag: str, plan: dict) -> tuple[dict, list[dict]]:
-    """Submits a batch, applies `plan` once every request has generated some tokens (the pod's per-group
-    pat_generator_running_generated_tokens), and returns the acknowledgement and the completions."""
+def regroup_mid_batch(pod, tag: str, *layouts: list[int]) -> tuple[dict, list[dict]]:
+    """Submits a batch (which starts in the base layout [1, 1]), plans `layouts` one after the other, each for the
+    epoch the pod is at, once every request has generated some tokens (the pod's per-group
+    pat_generator_running_generated_tokens), and returns the last acknowledgement and the completions."""
     requests = batch(tag)
     pod.submit(tag, requests)
+    assert pod.state()["layout"] == [1, 1]
     deadline = time.monotonic() + 60
     while sum(v for (name, _), v in pod.metrics().items() if name == "pat_generator_running_generated_tokens") < \
             8 * len(requests):
         assert time.monotonic() < deadline, pod.metrics()
         time.sleep(0.05)
-    ack = pod.ok("POST", "/v1/regroup", plan)
+    for layout in layouts:
+        epoch = pod.state()["epoch"]
+        ack = pod.ok("POST", "/v1/regroup", {"epoch": epoch + 1, "layout": layout, "from_epoch": epoch})
     completions = pod.finish(tag)
     assert [c["id"] for c in completions] == [r["id"] for r in requests]
     return ack, completions
@@ -81,7 +88,7 @@ def test_a_plan_mid_batch_moves_the_running_requests_to_the_merged_engine_and_ba
     assert (state["layout"], state["epoch"], state["controller"]) == ([1, 1], 0, "operator")
     assert state["weight_receivers"] == 4  # every worker of the three engines: 2 x TP=1 + 1 x TP=2
 
-    ack, completions = regroup_mid_batch(adaptive_pod, "merge", {"epoch": 1, "layout": [2], "from_epoch": 0})
+    ack, completions = regroup_mid_batch(adaptive_pod, "merge", [2])
     assert ack["outcome"] == "applied" and ack["layout"] == [2], ack
     assert ack["requests"]["recompute"] == 4, ack  # none can have ended: 32 of their 1000 tokens were out
     assert_complete_and_the_policys(vllm_model, completions)
@@ -93,16 +100,50 @@ def test_a_plan_mid_batch_moves_the_running_requests_to_the_merged_engine_and_ba
     assert metrics[("pat_generator_regroup_requests_total", (("mode", "recompute"),))] == 4
     assert metrics[("pat_generator_layout_epoch", ())] == 1
 
-    # A split deals the TP=2 engine's requests over the two TP=1 engines.
-    ack, completions = regroup_mid_batch(adaptive_pod, "split", {"epoch": 2, "layout": [1, 1], "from_epoch": 1})
-    assert ack["outcome"] == "applied" and ack["requests"]["recompute"] == 4, ack
+    # The next batch starts at [1, 1] again (epoch 2); a split deals the TP=2 engine's requests over the two TP=1
+    # engines.
+    ack, completions = regroup_mid_batch(adaptive_pod, "split", [2], [1, 1])
+    assert ack["outcome"] == "applied" and ack["applied_epoch"] == 4 and ack["requests"]["recompute"] == 4, ack
     assert_complete_and_the_policys(vllm_model, completions)
     # A plan made for another epoch is refused, and a retry of the last one is acknowledged again.
-    status, reply = adaptive_pod.call("POST", "/v1/regroup", {"epoch": 3, "layout": [2], "from_epoch": 1})
+    status, reply = adaptive_pod.call("POST", "/v1/regroup", {"epoch": 5, "layout": [2], "from_epoch": 3})
     assert status == 409 and "from_epoch" in reply["error"], reply
-    assert adaptive_pod.ok("POST", "/v1/regroup", {"epoch": 2, "layout": [1, 1]}) == ack
-    status, reply = adaptive_pod.call("POST", "/v1/regroup", {"epoch": 3, "layout": [4]})
+    assert adaptive_pod.ok("POST", "/v1/regroup", {"epoch": 4, "layout": [1, 1]}) == ack
+    status, reply = adaptive_pod.call("POST", "/v1/regroup", {"epoch": 5, "layout": [4]})
     assert status == 422 and "layout" in reply["error"], reply
+
+
+def test_the_pod_exports_what_the_operators_planner_needs(adaptive_pod):
+    """The start-up profile of both TP sizes, the re-prefill cost of a move (no KV moves: infinite per token) and
+    the open batch's groups, read as the operator reads them from Prometheus, make a plan: during a batch of long
+    requests on this CPU (where a TP=2 engine outruns two TP=1 engines at every batch size), a merge."""
+    requests = batch("plan")
+    adaptive_pod.submit("plan", requests)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            series = [{"metric": {"__name__": name, **dict(labels), "pod": "p"}, "value": [0, str(value)]}
+                      for (name, labels), value in adaptive_pod.metrics().items()]
+            found, skipped = pod_metrics(series, [{"metric": {"pod": "p"}, "value": [0, "0"]}], max_age=5)
+            m = found["p"]
+            if m.unfinished == 4 and all(generated >= 8 for g in m.running.values() for _, generated in g):
+                break
+            assert time.monotonic() < deadline, (skipped, m)
+            time.sleep(0.1)
+        assert m.layout == (1, 1) and m.batch_open and m.max_tokens == LONG and m.unfinished == 4
+        assert m.profile.tp_sizes == [1, 2] and m.costs.kv_seconds_per_token == math.inf
+        for tp in (1, 2):
+            steps = [m.profile.step_seconds(tp, b) for b in (1, 4, 16)]
+            assert 0 < steps[0] <= steps[-1] < 1, (tp, steps)
+            seconds, per_token = m.costs.prefill[tp]
+            assert 0 <= seconds < 1 and 0 <= per_token < 0.01, m.costs
+        decision = decide(m, [1, 2], margin=0.1)
+        if m.profile.step_seconds(2, 4) < 0.8 * m.profile.step_seconds(1, 2):
+            assert decision.layout == (2,), decision.reason
+        # The negative control: without TP=2 among the sizes a plan may use, nothing to merge into.
+        assert decide(m, [1], margin=0.1).layout is None
+    finally:
+        adaptive_pod.finish("plan")
 
 
 def test_weights_reach_every_engine_of_every_layout(adaptive_pod, vllm_model):
@@ -112,20 +153,21 @@ def test_weights_reach_every_engine_of_every_layout(adaptive_pod, vllm_model):
     old = load_weights(vllm_model, torch.float32)
     g = torch.Generator().manual_seed(11)
     new = {name: w + 0.5 * w.std() * torch.randn(w.shape, generator=g) for name, w in old.items()}
-    requests = [rollout(f"w-{i}", [256, 9 + i, 33], 8) for i in range(2)]
+    requests = [rollout(f"w-{i}", [256, 9 + i, 33], 32) for i in range(2)]
     reference = Reference(vllm_model, new)(requests)
     state = adaptive_pod.state()
-    version, epoch, world = state["policy_version"], state["epoch"], 1 + state["weight_receivers"]
+    version, world = state["policy_version"], 1 + state["weight_receivers"]
     assert mismatched(adaptive_pod.generate("w-before", requests, version), reference, TOL) == ["w-0", "w-1"]
     sender = WeightSender("127.0.0.1:0", world=world)
     try:
         send(adaptive_pod, sender, new, version + 1)
-        for layout in ([1, 1], [2], [1, 1]):
-            if adaptive_pod.state()["layout"] != layout:
-                epoch += 1
-                ack = adaptive_pod.ok("POST", "/v1/regroup", {"epoch": epoch, "layout": layout})
+        for layout in ([1, 1], [2]):  # a batch starts at [1, 1]; a plan moves it to TP=2 at its first tokens
+            adaptive_pod.submit(f"w-tp{max(layout)}", requests, version + 1)
+            if layout == [2]:
+                epoch = adaptive_pod.state()["epoch"]
+                ack = adaptive_pod.ok("POST", "/v1/regroup", {"epoch": epoch + 1, "layout": layout})
                 assert ack["outcome"] == "applied", ack
-            done = adaptive_pod.generate(f"w-{epoch}", requests, version + 1)
+            done = adaptive_pod.finish(f"w-tp{max(layout)}")
             assert not mismatched(done, reference, TOL), (layout, done)
         send(adaptive_pod, sender, old, version + 2)  # the model's own again, for the tests after this one
     finally:
@@ -145,14 +187,12 @@ def send(pod, sender: WeightSender, weights: dict[str, torch.Tensor], version: i
 def test_a_move_to_an_engine_that_died_falls_back_and_loses_no_request(adaptive_pod, vllm_model):
     """The TP=2 engine is killed (SIGKILL, with its workers): the pod keeps serving on the TP=1 engines it uses, a
     plan that needs the dead engine falls back before moving anything, and the batch completes where it was."""
-    assert adaptive_pod.state()["layout"] == [1, 1]
     tp2 = [pid for pid in children(adaptive_pod.proc.pid) if
            "--tensor-parallel-size" in argv(pid) and argv(pid)[argv(pid).index("--tensor-parallel-size") + 1] == "2"]
     assert len(tp2) == 1
     for pid in [tp2[0], *descendants(tp2[0])]:
         os.kill(pid, signal.SIGKILL)
-    epoch = adaptive_pod.state()["epoch"]
-    ack, completions = regroup_mid_batch(adaptive_pod, "dead", {"epoch": epoch + 1, "layout": [2]})
+    ack, completions = regroup_mid_batch(adaptive_pod, "dead", [2])
     assert ack["outcome"] == "fallback" and ack["layout"] == [1, 1] and not ack["requests"], ack
     assert "ranks [[0, 1]]" in ack["error"], ack
     assert_complete_and_the_policys(vllm_model, completions)

@@ -1,6 +1,7 @@
 """A generator pod that runs vLLM (generator.engine: vllm): the pod API of pat_operator.podapi in front of
 ranks / tp vLLM OpenAI servers ("engines"), each at a fixed TP. The trainer and the operator cannot tell it from
-a pod of this project's engine, except that it never regroups (vLLM cannot change tensor_parallel_size at runtime).
+a pod of this project's engine. vLLM cannot change an engine's tensor_parallel_size at runtime, so adaptive TP
+(--tp-sizes, under the operator's plans) runs one engine per group of every layout and moves requests between them.
 
 - Each engine is `python -m vllm.entrypoints.openai.api_server` of the interpreter that has vLLM, listening on a
   Unix socket in a directory only this pod's user can enter, never on a TCP port: vLLM's development and RL
@@ -29,10 +30,13 @@ import collections
 import itertools
 import json
 import logging
+import math
 import os
+import random
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,16 +50,16 @@ from typing import Literal
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pat_operator import metric_names as names
 from pat_operator.layout import Group, LayoutError, groups, uniform, validate
+from pat_operator.planner import Profile
 from pat_operator.podapi import (BatchStatus, Completion, GroupState, PodState, RegroupAck, RegroupPlan, RolloutBatch,
-                                 RolloutRequest, WeightUpdate)
+                                 RolloutRequest, Sampling, WeightUpdate)
 
 from ..engine.loader import weight_shapes
-from ..engine.metrics import group_label
+from ..engine.metrics import REGROUP_OUTCOMES, EngineMetrics, group_label
 from .errors import Conflict, Invalid, NotFound, Unavailable, check_plan, check_weight_update
 from .server import _payload, _reply, _wait_seconds, pod_app
 
@@ -79,6 +83,11 @@ START_TIMEOUT_SECONDS = 600.0  # loading a large model from a network volume can
 METRICS_PERIOD_SECONDS = 0.5  # how often the engines' /metrics are read (a scrape gets the last ones)
 LOG_TAIL_LINES = 40  # of each engine's output, kept for the failure message
 KEPT_BATCHES = 8
+# The start-up profile of each TP size (adaptive TP): decode steps at these batch sizes, each run this many steps,
+# at the shorter prompt; the longer one gives the step's growth per KV token, and both the prefill's cost.
+PROFILE_BATCHES = (1, 4, 16)
+PROFILE_STEPS = 16
+PROFILE_PROMPTS = (16, 96)
 PROXIED_HEADERS = ("Content-Type", "Accept")
 
 
@@ -335,19 +344,9 @@ class VllmPod:
         self._on_exit: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # serve's, from start()
         self._engine_metrics: list[str] = []  # each engine's last /metrics text
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.m_version = Gauge(names.GENERATOR_POLICY_VERSION, "Policy version of the weights the engines hold",
-                               registry=r)
-        self.m_batches = Counter(names.GENERATOR_BATCHES, "Rollout batches completed", registry=r)
-        self.m_batch_open = Gauge(names.GENERATOR_BATCH_OPEN, "1 while a rollout batch is generating", registry=r)
-        self.m_tokens = Counter(names.GENERATOR_TOKENS, "Tokens generated", registry=r)
-        self.m_epoch = Gauge(names.GENERATOR_LAYOUT_EPOCH, "Epoch of the layout applied", registry=r)
-        self.m_regroups = Counter(names.GENERATOR_REGROUPS, "Regroups by outcome", ["outcome"], registry=r)
-        self.m_moved = Counter(names.GENERATOR_REGROUP_REQUESTS, "Requests moved by regroups: re-prefilled on the "
-                               "larger group's engine from their prompt and tokens so far", ["mode"], registry=r)
-        self.m_generated = Gauge(names.GENERATOR_RUNNING_GENERATED_TOKENS, "Tokens generated so far by the running "
-                                 "requests, summed per group of the applied layout", ["group"], registry=r)
+        # Engine pat's series: per group of the applied layout (one engine each), filled in at each scrape.
+        self.pod_metrics = EngineMetrics(config.max_model_len)
+        self.pod_metrics.set_layout(groups(self.layout), self.epoch)
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self, on_exit: Callable[[], None]) -> None:
@@ -375,6 +374,8 @@ class VllmPod:
     async def _run(self) -> None:
         try:
             await self._start_engines()
+            if len(self.config.sizes) > 1:
+                await self._profile()
             self._engine_metrics = [""] * len(self._engines)
             self._spawn(self._collect_metrics())
             self.ready = True
@@ -433,6 +434,57 @@ class VllmPod:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"vLLM engine {e.index} not up after {START_TIMEOUT_SECONDS:.0f} s")
                 await asyncio.sleep(0.5)
+
+    async def _profile(self) -> None:
+        """The planner's inputs, measured on one engine of each TP size before the pod is ready (as engine pat's pods
+        profile at start), for the operator to read from /metrics: decode step seconds per batch size, the step's
+        growth per KV token, and the prefill's cost, which is what a move costs here (the target engine
+        re-prefills the request). No KV moves between vLLM engines: its cost per token is infinite."""
+        vocab = json.loads((Path(self.config.model_dir) / "config.json").read_text())["vocab_size"]
+        rng = random.Random(0)  # fresh prompts each time: the prefix cache must not shorten a measured prefill
+        prompt = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+        short, long = PROFILE_PROMPTS
+        top = PROFILE_BATCHES[-1]
+        decode, kv, prefill, fixed = {}, {}, {}, 0.0
+        for tp in self.config.sizes:
+            e = next(e for e in self._engines if len(e.ranks) == tp)
+            await self._stream_times(e, prompt(short), 2)  # a cold engine's first request
+            decode[tp] = {b: await self._step_seconds(e, [prompt(short) for _ in range(b)]) for b in PROFILE_BATCHES}
+            longer = await self._step_seconds(e, [prompt(long) for _ in range(top)])
+            kv[tp] = max(longer - decode[tp][top], 0.0) / (top * (long - short))
+            first = [(await self._stream_times(e, prompt(n), 1))[0] for n in PROFILE_PROMPTS]
+            slope = max((first[1] - first[0]) / (long - short), 0.0)
+            prefill[tp] = (max(first[0] - slope * short, 0.0), slope)
+            checked = time.perf_counter()
+            await self._healthy(e)  # what a regroup asks of each target engine before it moves anything
+            fixed = max(fixed, time.perf_counter() - checked)
+        profile = Profile(decode, kv, short + PROFILE_STEPS // 2)
+        self.pod_metrics.set_costs(profile.to_json(), fixed, math.inf, prefill)
+        log.info("profile: decode %s, KV seconds per token %s, prefill %s", decode, kv, prefill)
+
+    async def _step_seconds(self, e: _Engine, prompts: list[list[int]]) -> float:
+        """Seconds per decode step with the prompts decoding together: the median over them of each one's time
+        from its first to its last token per token between."""
+        times = await asyncio.gather(*(self._stream_times(e, p, PROFILE_STEPS) for p in prompts))
+        return statistics.median((t[-1] - t[0]) / (len(t) - 1) for t in times)
+
+    async def _stream_times(self, e: _Engine, prompt_ids: list[int], tokens: int) -> list[float]:
+        """Generates `tokens` tokens of `prompt_ids`; returns, for each, seconds from the call to its arrival."""
+        seq = Sequence(RolloutRequest(id="profile", prompt_token_ids=prompt_ids,
+                                      sampling=Sampling(max_tokens=tokens, ignore_eos=True)))
+        started, times = time.perf_counter(), []
+        async with e.session.post("http://engine/v1/completions", json=request_body(seq)) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"vLLM engine {e.index} refused the profile's request: HTTP {resp.status}: "
+                                   f"{await resp.text()}")
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    before = len(seq.tokens)
+                    absorb(seq, json.loads(line[len(b"data: "):]))
+                    times += [time.perf_counter() - started] * (len(seq.tokens) - before)
+        if len(times) != tokens:
+            raise RuntimeError(f"vLLM engine {e.index} streamed {len(times)} of the profile's {tokens} tokens")
+        return times
 
     @staticmethod
     def _forward(engine: _Engine) -> None:
@@ -508,7 +560,12 @@ class VllmPod:
         self._batches[batch.batch_id] = self._batch = batch
         while len(self._batches) > KEPT_BATCHES + 1:
             self._batches.popitem(last=False)
-        self.m_batch_open.set(1)
+        base = list(uniform(self.config.ranks, self.config.tp))
+        if self.layout != base:  # the operator's plans are for a batch's tail: each batch starts in the base layout
+            self.layout, self.epoch = base, self.epoch + 1
+            self.pod_metrics.set_layout(groups(self.layout), self.epoch)
+        self.pod_metrics.batch_open.set(1)
+        self.pod_metrics.batch_max_tokens.set(max(r.sampling.max_tokens for r in batch.requests))
         active = self._active()
         for r, engine in zip(batch.requests, deal(batch.requests, len(active))):
             self._start(batch, Sequence(r), active[engine])
@@ -554,11 +611,12 @@ class VllmPod:
     def _finish(self, batch: _Batch, seq: Sequence) -> None:
         batch.running.pop(seq.request.id, None)
         done = batch.completions[seq.request.id] = completion(seq, batch.policy_version)
-        self.m_tokens.inc(len(done.token_ids))
+        self.pod_metrics.tokens.inc(len(done.token_ids))
+        self.pod_metrics.response_tokens.observe(len(done.token_ids))
         if len(batch.completions) == len(batch.requests):
             batch.done.set()
-            self.m_batch_open.set(0)
-            self.m_batches.inc()
+            self.pod_metrics.batch_open.set(0)
+            self.pod_metrics.batches.inc()
 
     async def regroup(self, plan: RegroupPlan) -> RegroupAck:
         """Applies an operator's plan (adaptive TP, --tp-sizes): the requests running on the engines of the groups
@@ -590,15 +648,19 @@ class VllmPod:
         else:
             outcome = "applied" if layout != self.layout else "unchanged"
             if self._generating():
+                moving = time.perf_counter()
                 moved, tokens = await self._move(self._batch, targets)
+                self.pod_metrics.regroup_seconds.labels("recompute").observe(time.perf_counter() - moving)
             self.layout = layout
         self.epoch = plan.epoch
-        self.m_epoch.set(self.epoch)
-        self.m_regroups.labels(outcome).inc()
-        self.m_moved.labels("recompute").inc(moved)
+        self.pod_metrics.set_layout(groups(self.layout), self.epoch)
+        seconds = time.perf_counter() - started
+        if outcome in REGROUP_OUTCOMES:
+            self.pod_metrics.regroups.labels(outcome).inc()
+            self.pod_metrics.regroup_requests.labels("recompute").inc(moved)
+            self.pod_metrics.regroup_seconds.labels("total").observe(seconds)
         self._last_ack = RegroupAck(applied_epoch=self.epoch, layout=self.layout, outcome=outcome,
-                                    requests={"recompute": moved} if moved else {},
-                                    seconds=time.perf_counter() - started, error=error)
+                                    requests={"recompute": moved} if moved else {}, seconds=seconds, error=error)
         log.info("regroup to %s (epoch %d, %s, %d requests moved with %d tokens generated so far)%s", self.layout,
                  self.epoch, outcome, moved, tokens, f": {error}" if error else "")
         return self._last_ack
@@ -670,7 +732,7 @@ class VllmPod:
             for e in self._engines:
                 await self._rpc(e, "/reset_prefix_cache", None)
             self.policy_version = update.version
-            self.m_version.set(update.version)
+            self.pod_metrics.policy_version.set(update.version)
             log.info("weights of version %d loaded by %d engine(s)", update.version, len(self._engines))
         except Exception as e:  # a half-received update leaves nothing coherent to serve: the gang restarts
             self.fail(f"weight update to version {update.version} failed: {type(e).__name__}: {e}")
@@ -684,14 +746,15 @@ class VllmPod:
                 raise RuntimeError(f"vLLM engine {e.index} {path}: HTTP {resp.status}: {await resp.text()}")
 
     def metrics(self) -> bytes:
-        self.m_generated.clear()
+        running = list(self._batch.running.values()) if self._generating() else []
         for engine in self._active() if self._engines else []:
-            running = self._batch.running.values() if self._generating() else []
-            self.m_generated.labels(group_label(engine.ranks)).set(sum(len(q.tokens) for q, e, _ in running
-                                                                      if e is engine))
+            label, mine = group_label(engine.ranks), [seq for seq, e, _ in running if e is engine]
+            self.pod_metrics.running.labels(label).set(len(mine))
+            self.pod_metrics.context_tokens.labels(label).set(sum(len(s.prompt_ids or ()) + len(s.tokens) for s in mine))
+            self.pod_metrics.generated_tokens.labels(label).set(sum(len(s.tokens) for s in mine))
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Families(relabel(self._engine_metrics)))
-        return generate_latest(self.registry) + generate_latest(registry)
+        return generate_latest(self.pod_metrics.registry) + generate_latest(registry)
 
     async def _collect_metrics(self) -> None:
         """Keeps the engines' latest /metrics texts. A scrape is answered from them at once: asked of vLLM during a
