@@ -20,8 +20,9 @@ cache, prefix caching off (this engine has none; repeats would hit it).
 Prints a table and, last, one JSON line (`pat_adaptive_over_vllm_best`: adaptive's seconds over the faster vLLM
 layout's; `pat_best_fixed_over_vllm_best`: this engine's faster fixed layout over it; targets <= 1.10 both), with
 bench/weight_sync.py's keys after the runs (a pod of each engine receiving the same weights: `vllm_weight_sync_over_pat`
-<= 1.5, `vllm_weight_sync_disk_bytes` 0). Not a test: it measures. About 7 minutes on 2 cores (5 vLLM starts of
-~23 s); --quick about 2 minutes.
+<= 1.5, `vllm_weight_sync_disk_bytes` 0), then bench/vllm_adaptive.py's (a vLLM pod with adaptive TP against the
+same pod at each fixed layout: `vllm_adaptive_over_vllm_best` <= 1.03). Not a test: it measures. About 11 minutes
+on 2 cores (5 vLLM starts of ~23 s, then 4 pods); --quick about 5 minutes.
   python bench/engines.py            # 32 sequences, cap 512, 2 runs per layout
   python bench/engines.py --quick    # 8 sequences, cap 64
 """
@@ -52,6 +53,7 @@ from pat_workers.engine.tiny import PRESETS
 from pat_workers.ports import free_port
 from pat_workers.sim.lengths import lognormal_lengths
 from tail import medians, model_and_options, planner_inputs, requests, run_alternating
+from vllm_adaptive import measure as measure_vllm_adaptive
 from weight_sync import measure as measure_weight_sync, vllm_python
 
 SERVED_NAME = "bench"
@@ -272,6 +274,8 @@ def main() -> int:
                     vllm_round(vllm_layouts[::-1])
     print("weight sync (bench/weight_sync.py), each engine's pod of 2 ranks:", flush=True)
     weight_sync = measure_weight_sync(model_dir, python, rounds=args.repeats + 1, seed=args.seed)
+    print("adaptive TP on a vLLM pod against its fixed layouts (bench/vllm_adaptive.py):", flush=True)
+    vllm_adaptive = measure_vllm_adaptive(model_dir, python, lengths, args.seed, args.repeats)
 
     results: dict[str, dict] = {}
     for name, rs in vllm_runs.items():
@@ -321,6 +325,7 @@ def main() -> int:
         "sequences": len(lengths), "cap": args.cap, "max_length": max(lengths), "generated_tokens": total_tokens,
         "preset": args.preset, "repeats": args.repeats, "wall_s": round(wall, 1),
         **weight_sync,
+        **vllm_adaptive,
     }
     print(json.dumps(summary))
     return 0

@@ -48,12 +48,15 @@ def vllm_python(given: str | None) -> str:
 
 
 class Pod:
-    def __init__(self, engine: str, model_dir: Path, tmp: Path, python: str, log: Path):
-        engine_args = (["--engine", "vllm", "--max-model-len", "256", "--enforce-eager"] if engine == "vllm" else
-                       ["--max-batch", "8", "--max-seq", "256"])
+    """A generator pod (`python -m pat_workers.generator`) of `engine` on 2 CPU ranks; `args`: further flags."""
+
+    def __init__(self, engine: str, model_dir: Path, tmp: Path, python: str, log: Path, *args: str,
+                 max_seq: int = 256):
+        engine_args = (["--engine", "vllm", "--max-model-len", str(max_seq), "--enforce-eager"] if engine == "vllm"
+                       else ["--max-batch", "8", "--max-seq", str(max_seq)])
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pat_workers.generator", "--model", str(model_dir), "--ranks", str(RANKS),
-             "--host", "127.0.0.1", "--port", "0", "--device", "cpu", *engine_args], stdout=subprocess.PIPE,
+             "--host", "127.0.0.1", "--port", "0", "--device", "cpu", *engine_args, *args], stdout=subprocess.PIPE,
             stderr=log.open("w"), env={**os.environ, "PAT_JOB_TOKEN": TOKEN, "PAT_VLLM_PYTHON": python,
                                        "TMPDIR": str(tmp)})
         line = self.proc.stdout.readline().decode()

@@ -285,7 +285,7 @@ class Prometheus(_Model):
 class AdaptiveTP(_Model):
     """Adaptive tensor parallelism: in a batch's long tail the engine ranks of a pod regroup into larger TP groups."""
     enabled: bool | None = Field(None, description="false: every rank stays a TP=1 replica; default: true with "
-                                 "engine pat, off with engine vllm (which regroups with controller operator on CPU)")
+                                 "engine pat, off with engine vllm (which regroups on CPU only)")
     controller: Literal["pod", "operator"] = Field(
         "pod", description="pod: each generator pod plans its own regroups; operator: the operator plans from "
                            "Prometheus metrics and the pod only obeys")
@@ -362,7 +362,7 @@ class Generator(PodTemplate):
     replicas: int = Field(1, ge=1, description="generator pods")
     engine: Literal["pat", "vllm"] = Field("pat", description="pat: this project's engine with adaptive TP; vllm: "
                                            "vLLM engines at a fixed TP (generator.vllm), or with adaptiveTP.enabled "
-                                           "(controller operator, CPU) one engine per group of every layout; set "
+                                           "(CPU) one engine per group of every layout; set "
                                            f"generator.image to {VLLM_WORKER_IMAGE}")
     ranks_per_pod: int | None = Field(None, ge=1, description="engine ranks per pod; default gpusPerPod (one rank "
                                       "per GPU); set it for CPU pods (gpusPerPod: 0)")
@@ -445,9 +445,6 @@ class Generator(PodTemplate):
         if self.engine == "vllm" and self.adaptive_tp.enabled:
             # A running vLLM engine's TP is fixed: the pod runs one engine per group of each layout and moves
             # requests between them, as the operator's plans say.
-            if self.adaptive_tp.controller != "operator":
-                raise ValueError("generator.adaptiveTP.controller: pod plans engine pat's ranks only; with engine vllm "
-                                 "set adaptiveTP.controller: operator (the operator plans from Prometheus)")
             if self.gpus_per_pod:
                 raise ValueError("generator.adaptiveTP.enabled with engine vllm runs on CPU only (gpusPerPod: 0): on "
                                  "GPUs the engines of every layout share a GPU, and handing the weights on between "

@@ -48,7 +48,10 @@ def _vllm_generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_fil
             "--max-model-len", str(v.max_model_len or g.max_seq), "--dtype", spec.model.dtype,
             "--device", "cuda" if g.gpus_per_pod else "cpu"]
     if g.adaptive:
-        args += ["--tp-sizes", ",".join(map(str, g.tp_sizes)), "--controller", g.adaptive_tp.controller]
+        args += ["--tp-sizes", ",".join(map(str, g.tp_sizes)), "--controller", g.adaptive_tp.controller,
+                 "--margin", str(g.adaptive_tp.min_gain)]
+        if g.adaptive_tp.profile:
+            args += ["--profile", g.adaptive_tp.profile]
     if v.enforce_eager:
         args += ["--enforce-eager"]
     if spec.tokenizer.path:

@@ -217,10 +217,6 @@ def _rules() -> dict[str, list[tuple[str, str]]]:
              "generator.vllm.maxModelLen is below generator.maxSeq: vLLM would refuse the longest sequences; raise "
              "it or leave it out"),
             (_when(["engine", "adaptiveTP.enabled"], "self.engine != 'vllm' || !self.adaptiveTP.enabled || "
-                   "has(self.adaptiveTP.controller) && self.adaptiveTP.controller == 'operator'"),
-             "generator.adaptiveTP.controller: pod plans engine pat's ranks only; with engine vllm set "
-             "adaptiveTP.controller: operator"),
-            (_when(["engine", "adaptiveTP.enabled"], "self.engine != 'vllm' || !self.adaptiveTP.enabled || "
                    f"{_value('gpusPerPod', api.Generator)} == 0"),
              "generator.adaptiveTP.enabled with engine vllm runs on CPU only (gpusPerPod: 0); set "
              "adaptiveTP.enabled: false or use engine pat"),

@@ -51,7 +51,7 @@ def with_vllm(**settings) -> dict:
 
 def with_vllm_adaptive(**settings) -> dict:
     doc = with_vllm(**settings)
-    doc["spec"]["generator"]["adaptiveTP"] = {"enabled": True, "controller": "operator"}
+    doc["spec"]["generator"]["adaptiveTP"] = {"enabled": True}
     return doc
 
 
@@ -82,10 +82,7 @@ def test_adaptive_tp_defaults_to_on_with_engine_pat_only(engine, enabled, adapti
 @pytest.mark.parametrize("doc, model_error", [
     (with_vllm(tensorParallelSize=3),
      "spec.generator: generator.vllm.tensorParallelSize=3 does not divide the 2 ranks per pod; use one of [1, 2]"),
-    (example(adaptiveTP={"enabled": True}),
-     "spec.generator: generator.adaptiveTP.controller: pod plans engine pat's ranks only; with engine vllm set "
-     "adaptiveTP.controller: operator (the operator plans from Prometheus)"),
-    (example(adaptiveTP={"enabled": True, "controller": "operator"}, gpusPerPod=2, ranksPerPod=None),
+    (example(adaptiveTP={"enabled": True}, gpusPerPod=2, ranksPerPod=None),
      "spec.generator: generator.adaptiveTP.enabled with engine vllm runs on CPU only (gpusPerPod: 0): on GPUs the "
      "engines of every layout share a GPU, and handing the weights on between them (CUDA IPC) is not built"),
     (with_vllm_adaptive(tensorParallelSize=2),
@@ -94,7 +91,7 @@ def test_adaptive_tp_defaults_to_on_with_engine_pat_only(engine, enabled, adapti
     (with_vllm(maxModelLen=100),
      "spec.generator: generator.vllm.maxModelLen=100 is below generator.maxSeq=128: vLLM would refuse the longest "
      "sequences; raise it to at least 128 or leave it out (default: maxSeq)"),
-], ids=["tp-does-not-divide-ranks", "adaptive-tp-planned-by-the-pod", "adaptive-tp-on-gpus",
+], ids=["tp-does-not-divide-ranks", "adaptive-tp-on-gpus",
          "adaptive-tp-from-tp-2", "max-model-len-below-max-seq"])
 def test_cross_field_errors_name_the_field_and_the_fix(doc, model_error):
     assert model_error in refused(doc)
@@ -177,10 +174,10 @@ def test_generator_args_for_engine_vllm():
         "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.8", "--max-model-len", "4096",
         "--dtype", "bfloat16", "--device", "cuda", "--tokenizer", "/models/tok",
         "--vllm-arg=--max-num-seqs=128", "--vllm-arg=--enable-prefix-caching"]
-    # adaptive TP: one engine per group of every layout of these sizes, under the operator's plans
+    # adaptive TP: one engine per group of every layout of these sizes, planned by the pod
     args = commands.generator_args(parse_job(with_vllm_adaptive()).spec, "/m", "h")
-    assert args[args.index("--tp-sizes"):args.index("--tp-sizes") + 4] == ["--tp-sizes", "1,2", "--controller",
-                                                                           "operator"]
+    assert args[args.index("--tp-sizes"):args.index("--tp-sizes") + 6] == ["--tp-sizes", "1,2", "--controller", "pod",
+                                                                           "--margin", "0.1"]
 
 
 def test_engine_pat_keeps_its_command_line_and_the_pods_run_the_right_one():

@@ -4,6 +4,7 @@ mid-batch: each is stopped and resubmitted on the new group's engine as its prom
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -73,11 +74,11 @@ def regroup_mid_batch(pod, tag: str, *layouts: list[int]) -> tuple[dict, list[di
     return ack, completions
 
 
-def assert_complete_and_the_policys(model, completions: list[dict]) -> None:
-    """Every request has all its tokens, once (no duplicates, none lost across a move), and each token's
-    log-probability, from whichever engine sampled it, is the trainer's."""
-    for c, i in zip(completions, range(len(completions))):
-        assert len(c["token_ids"]) == len(c["logprobs"]) == LONG and c["finish_reason"] == "length", c["id"]
+def assert_complete_and_the_policys(model, completions: list[dict], lengths: list[int] | None = None) -> None:
+    """Every request has all its tokens (LONG, or `lengths`), once (no duplicates, none lost across a move), and
+    each token's log-probability, from whichever engine sampled it, is the trainer's."""
+    for c, i, n in zip(completions, range(len(completions)), lengths or [LONG] * len(completions)):
+        assert len(c["token_ids"]) == len(c["logprobs"]) == n and c["finish_reason"] == "length", c["id"]
         prompt = [256, 3 + i, 17, 40 + i]
         expected = policy_logprobs(model, prompt + c["token_ids"])[len(prompt) - 1:]
         assert torch.allclose(torch.tensor(c["logprobs"]), expected, atol=TOL), c["id"]
@@ -197,3 +198,52 @@ def test_a_move_to_an_engine_that_died_falls_back_and_loses_no_request(adaptive_
     assert "ranks [[0, 1]]" in ack["error"], ack
     assert_complete_and_the_policys(vllm_model, completions)
     assert adaptive_pod.call("GET", "/healthz")[0] == 200
+
+
+# A decode profile in which a TP=2 engine wins with one sequence and loses with more (as on a GPU), so that the pod's
+# planner starts a batch of several on the TP=1 engines and merges its tail: the decisions follow from it, whatever
+# this CPU's own step times.
+TAIL_PROFILE = {"decode": {"1": {"1": 0.010, "4": 0.011, "16": 0.014}, "2": {"1": 0.006, "4": 0.0125, "16": 0.03}},
+                "decode_context": 24, "kv_seconds": {"1": 0.0, "2": 0.0}}
+
+
+@pytest.fixture(scope="module")
+def planning_pod(vllm_model, vllm_env, tmp_path_factory):
+    """A vLLM pod that plans its own regroups (controller pod) from TAIL_PROFILE."""
+    profile = tmp_path_factory.mktemp("profile") / "profile.json"
+    profile.write_text(json.dumps(TAIL_PROFILE))
+    pod = start_pod("vllm-planning", vllm_model, tmp_path_factory.mktemp("logs"),
+                    {"PAT_JOB_TOKEN": "test-job-token", **vllm_env}, "--tp-sizes", "1,2", "--profile", str(profile))
+    try:
+        pod.wait_ready(timeout=400)
+        yield pod
+    finally:
+        pod.stop()
+
+
+def test_the_pod_starts_a_batch_in_the_layout_predicted_fastest_and_merges_its_tail(planning_pod, vllm_model):
+    """Four requests, one long: they start on the two TP=1 engines (two each decode faster there); once short ones
+    end, the pod moves what still runs to the TP=2 engine. A batch of one request starts on TP=2 at once.
+    Every request keeps its tokens and the policy's log-probabilities; an operator's plan is refused."""
+    state = planning_pod.state()
+    assert (state["layout"], state["controller"]) == ([1, 1], "pod")
+    requests = [rollout(f"tail-{i}", [256, 3 + i, 17, 40 + i], LONG if i == 0 else 16, temperature=1.0, seed=i)
+                for i in range(4)]
+    planning_pod.submit("tail", requests)
+    assert planning_pod.state()["layout"] == [1, 1]
+    completions = planning_pod.finish("tail")
+    assert [len(c["token_ids"]) for c in completions] == [LONG, 16, 16, 16]
+    assert_complete_and_the_policys(vllm_model, completions[:1], [LONG])
+    state, metrics = planning_pod.state(), planning_pod.metrics()
+    assert state["layout"] == [2], state  # the tail's merge, kept until the next batch
+    assert metrics[("pat_generator_regroups_total", (("outcome", "applied"),))] == 1
+    # Moved: those still running once the plan paid, the long one among them, not all four (the first short one
+    # to end lets it pay; how many others are left then depends on this CPU's speed).
+    assert 1 <= metrics[("pat_generator_regroup_requests_total", (("mode", "recompute"),))] <= 3
+
+    planning_pod.submit("one", requests[:1])
+    assert planning_pod.state()["layout"] == [2]  # predicted fastest for a lone sequence, from its start
+    (done,) = planning_pod.finish("one")
+    assert len(done["token_ids"]) == LONG
+    status, reply = planning_pod.call("POST", "/v1/regroup", {"epoch": 99, "layout": [1, 1]})
+    assert status == 409 and "plans its own regroups" in reply["error"], reply

@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             device = "cuda" if args.device == "cuda" else "cpu"
             pod = VllmPod(VllmConfig(args.model, args.ranks, args.tensor_parallel_size, args.gpu_memory_utilization,
                                      args.max_model_len, args.dtype, device, args.enforce_eager, args.tokenizer,
-                                     tuple(args.vllm_arg), args.vllm_python, tp_sizes, args.controller))
+                                     tuple(args.vllm_arg), args.vllm_python, tp_sizes, args.controller,
+                                     args.margin, args.profile))
             app = make_vllm_app(pod, token)
         else:
             from ..engine.rank import EngineOptions

@@ -54,7 +54,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.parser import text_string_to_metric_families
 
 from pat_operator.layout import Group, LayoutError, groups, uniform, validate
-from pat_operator.planner import Profile
+from pat_operator.planner import Controller, LengthPredictor, Profile, RegroupCosts
+from pat_operator.prometheus import PRIOR_LENGTHS
 from pat_operator.podapi import (BatchStatus, Completion, GroupState, PodState, RegroupAck, RegroupPlan, RolloutBatch,
                                  RolloutRequest, Sampling, WeightUpdate)
 
@@ -88,6 +89,7 @@ KEPT_BATCHES = 8
 PROFILE_BATCHES = (1, 4, 16)
 PROFILE_STEPS = 16
 PROFILE_PROMPTS = (16, 96)
+PLAN_PERIOD_SECONDS = 0.2  # controller pod: how often the pod plans during a batch (a plan is ms of Python)
 PROXIED_HEADERS = ("Content-Type", "Accept")
 
 
@@ -106,6 +108,8 @@ class VllmConfig:
     python: str = "python3"  # the interpreter that has vLLM
     tp_sizes: tuple[int, ...] = ()  # adaptive TP: the TP sizes of the layouts plans may use (one engine per group)
     controller: Literal["pod", "operator"] = "pod"
+    margin: float = 0.1  # controller pod: a merge's predicted gain must beat its cost by this fraction of the time left
+    profile: str | None = None  # adaptive TP: a decode profile file (Profile.to_json) instead of measuring it at start
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -123,13 +127,18 @@ def check(config: VllmConfig) -> None:
         if config.ranks < 1 or t < 1 or config.ranks % t or t & (t - 1):
             raise ValueError(f"TP size {t} (--tensor-parallel-size or --tp-sizes) must be a power of two dividing "
                              f"--ranks={config.ranks} (the pod runs ranks / TP engines of each size)")
-    if len(config.sizes) > 1 and config.controller != "operator":
-        raise ValueError("--controller pod: this pod's own planner does not drive vLLM engines yet; with --tp-sizes "
-                         "use --controller operator (the operator's plans, POST /v1/regroup)")
     if len(config.sizes) > 1 and config.device == "cuda":
         raise ValueError("--tp-sizes with --device cuda: every engine's workers join the NCCL weight-sync group, and "
                          "NCCL takes one member per GPU; handing the weights on to the other layouts' engines on "
                          "the same GPU (CUDA IPC) is not built yet: use one --tensor-parallel-size")
+    if config.profile:
+        try:
+            given = Profile.from_json(json.loads(Path(config.profile).read_text()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--profile {config.profile}: {e}") from None
+        if missing := sorted(set(config.sizes) - set(given.tp_sizes)):
+            raise ValueError(f"--profile {config.profile} has no TP size {missing}; profile every size of "
+                             f"--tp-sizes {list(config.sizes)}, or leave --profile out (the pod measures them)")
     if not (Path(config.model_dir) / "config.json").is_file():
         raise ValueError(f"--model {config.model_dir}: no config.json there (a Hugging Face model directory)")
     query = subprocess.run([config.python, "-c", VERSION_QUERY], capture_output=True, text=True)
@@ -347,6 +356,12 @@ class VllmPod:
         # Engine pat's series: per group of the applied layout (one engine each), filled in at each scrape.
         self.pod_metrics = EngineMetrics(config.max_model_len)
         self.pod_metrics.set_layout(groups(self.layout), self.epoch)
+        # Adaptive TP: the start-up profile and the cost of a move (_profile); with controller pod, the planner
+        # (no guard: it judges a regroup by decode steps, which a vLLM engine does not report one by one).
+        self._profile_costs: tuple[Profile, RegroupCosts] | None = None
+        self._planner = (Controller(config.sizes, config.margin, cooldown_steps=0, guard=False)
+                         if len(config.sizes) > 1 and config.controller == "pod" else None)
+        self._lengths: collections.deque[int] = collections.deque(maxlen=PRIOR_LENGTHS)  # earlier responses'
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self, on_exit: Callable[[], None]) -> None:
@@ -445,22 +460,27 @@ class VllmPod:
         prompt = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
         short, long = PROFILE_PROMPTS
         top = PROFILE_BATCHES[-1]
+        given = Profile.from_json(json.loads(Path(self.config.profile).read_text())) if self.config.profile else None
         decode, kv, prefill, fixed = {}, {}, {}, 0.0
         for tp in self.config.sizes:
             e = next(e for e in self._engines if len(e.ranks) == tp)
             await self._stream_times(e, prompt(short), 2)  # a cold engine's first request
-            decode[tp] = {b: await self._step_seconds(e, [prompt(short) for _ in range(b)]) for b in PROFILE_BATCHES}
-            longer = await self._step_seconds(e, [prompt(long) for _ in range(top)])
-            kv[tp] = max(longer - decode[tp][top], 0.0) / (top * (long - short))
+            if given is None:
+                decode[tp] = {b: await self._step_seconds(e, [prompt(short) for _ in range(b)])
+                              for b in PROFILE_BATCHES}
+                longer = await self._step_seconds(e, [prompt(long) for _ in range(top)])
+                kv[tp] = max(longer - decode[tp][top], 0.0) / (top * (long - short))
             first = [(await self._stream_times(e, prompt(n), 1))[0] for n in PROFILE_PROMPTS]
             slope = max((first[1] - first[0]) / (long - short), 0.0)
             prefill[tp] = (max(first[0] - slope * short, 0.0), slope)
             checked = time.perf_counter()
             await self._healthy(e)  # what a regroup asks of each target engine before it moves anything
             fixed = max(fixed, time.perf_counter() - checked)
-        profile = Profile(decode, kv, short + PROFILE_STEPS // 2)
+        profile = given or Profile(decode, kv, short + PROFILE_STEPS // 2)
+        self._profile_costs = profile, RegroupCosts(fixed, math.inf, prefill)
         self.pod_metrics.set_costs(profile.to_json(), fixed, math.inf, prefill)
-        log.info("profile: decode %s, KV seconds per token %s, prefill %s", decode, kv, prefill)
+        log.info("profile%s: %s, prefill %s", f" from {self.config.profile}" if given else "", profile.to_json(),
+                 prefill)
 
     async def _step_seconds(self, e: _Engine, prompts: list[list[int]]) -> float:
         """Seconds per decode step with the prompts decoding together: the median over them of each one's time
@@ -560,12 +580,21 @@ class VllmPod:
         self._batches[batch.batch_id] = self._batch = batch
         while len(self._batches) > KEPT_BATCHES + 1:
             self._batches.popitem(last=False)
-        base = list(uniform(self.config.ranks, self.config.tp))
-        if self.layout != base:  # the operator's plans are for a batch's tail: each batch starts in the base layout
-            self.layout, self.epoch = base, self.epoch + 1
+        max_tokens = max(r.sampling.max_tokens for r in batch.requests)
+        start = list(uniform(self.config.ranks, self.config.tp))  # the operator's plans are for a batch's tail
+        if self._planner is not None:
+            predictor = LengthPredictor(max_tokens, prior=list(self._lengths))
+            # The layout predicted fastest for the batch (a move later re-prefills everything running: no margin).
+            prompts = [len(r.prompt_token_ids or r.prompt) for r in batch.requests]  # a text's characters: ~tokens
+            decision = self._planner.start_batch(self.config.ranks, prompts, *self._model(predictor))
+            start = list(decision.layout or start)
+            self._spawn(self._plan(batch, predictor))
+            log.info("batch %s starts in %s: %s", batch.batch_id, start, decision.reason)
+        if self.layout != start:
+            self.layout, self.epoch = start, self.epoch + 1
             self.pod_metrics.set_layout(groups(self.layout), self.epoch)
         self.pod_metrics.batch_open.set(1)
-        self.pod_metrics.batch_max_tokens.set(max(r.sampling.max_tokens for r in batch.requests))
+        self.pod_metrics.batch_max_tokens.set(max_tokens)
         active = self._active()
         for r, engine in zip(batch.requests, deal(batch.requests, len(active))):
             self._start(batch, Sequence(r), active[engine])
@@ -613,30 +642,56 @@ class VllmPod:
         done = batch.completions[seq.request.id] = completion(seq, batch.policy_version)
         self.pod_metrics.tokens.inc(len(done.token_ids))
         self.pod_metrics.response_tokens.observe(len(done.token_ids))
+        self._lengths.append(len(done.token_ids))
         if len(batch.completions) == len(batch.requests):
             batch.done.set()
             self.pod_metrics.batch_open.set(0)
             self.pod_metrics.batches.inc()
 
+    def _model(self, predictor: LengthPredictor) -> tuple[Profile, LengthPredictor, RegroupCosts]:
+        profile, costs = self._profile_costs
+        return profile, predictor, costs
+
+    async def _plan(self, batch: _Batch, predictor: LengthPredictor) -> None:
+        """Controller pod: plans every PLAN_PERIOD_SECONDS while `batch` generates, and applies what it plans."""
+        while not batch.done.is_set() and self.failure is None:
+            await asyncio.sleep(PLAN_PERIOD_SECONDS)
+            if batch is not self._batch or batch.done.is_set():
+                return
+            running = {e.ranks: [(len(s.prompt_ids or ()) + len(s.tokens), len(s.tokens))
+                                 for s, engine, _ in batch.running.values() if engine is e] for e in self._active()}
+            decision = self._planner.decide(self.layout, running, *self._model(predictor))
+            if decision.layout is None:
+                continue
+            async with self._regrouping:
+                old = self.layout
+                ack = await self._apply(list(decision.layout), self.epoch + 1)
+            self._planner.regrouped(ack.seconds if ack.outcome == "applied" else None)
+            log.info("regroup %s -> %s (%s, %d requests moved): %s", old, self.layout, ack.outcome,
+                     ack.requests.get("recompute", 0), decision.reason)
+
     async def regroup(self, plan: RegroupPlan) -> RegroupAck:
-        """Applies an operator's plan (adaptive TP, --tp-sizes): the requests running on the engines of the groups
-        it ends move to the engines of the new groups over the same ranks, each stopped and resubmitted there as
-        its prompt plus its tokens so far (request_body). Falls back, moving nothing, when an engine of the new
-        layout is not serving."""
+        """Applies an operator's plan (adaptive TP, --tp-sizes, controller operator)."""
         if len(self.config.sizes) == 1:
             raise Conflict(f"this pod runs vLLM at a fixed TP={self.config.tp} (no --tp-sizes): it cannot regroup")
+        if self.config.controller != "operator":
+            raise Conflict("this pod plans its own regroups (adaptiveTP.controller=pod); set adaptiveTP.controller"
+                           "=operator for the operator's plans to apply")
         async with self._regrouping:
-            return await self._regroup(plan)
+            self._check_up()
+            self._refuse_while_receiving("a regroup")
+            if (retry := check_plan(plan, self.epoch, self.layout, self._last_ack)) is not None:
+                return retry
+            try:
+                layout = list(validate(plan.layout, self.config.ranks, self.config.sizes))
+            except LayoutError as e:
+                raise Invalid(f"layout: {e}") from None
+            return await self._apply(layout, plan.epoch)
 
-    async def _regroup(self, plan: RegroupPlan) -> RegroupAck:
-        self._check_up()
-        self._refuse_while_receiving("a regroup")
-        if (retry := check_plan(plan, self.epoch, self.layout, self._last_ack)) is not None:
-            return retry
-        try:
-            layout = list(validate(plan.layout, self.config.ranks, self.config.sizes))
-        except LayoutError as e:
-            raise Invalid(f"layout: {e}") from None
+    async def _apply(self, layout: list[int], epoch: int) -> RegroupAck:
+        """The requests running on the engines of the groups `layout` ends move to the engines of its groups over
+        the same ranks, each stopped and resubmitted there as its prompt plus its tokens so far (request_body).
+        Falls back, moving nothing, when an engine of the new layout is not serving."""
         started = time.perf_counter()
         by_ranks = {e.ranks: e for e in self._engines}
         targets = [by_ranks[g] for g in groups(layout)]
@@ -652,7 +707,7 @@ class VllmPod:
                 moved, tokens = await self._move(self._batch, targets)
                 self.pod_metrics.regroup_seconds.labels("recompute").observe(time.perf_counter() - moving)
             self.layout = layout
-        self.epoch = plan.epoch
+        self.epoch = epoch
         self.pod_metrics.set_layout(groups(self.layout), self.epoch)
         seconds = time.perf_counter() - started
         if outcome in REGROUP_OUTCOMES:
