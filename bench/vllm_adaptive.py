@@ -6,14 +6,15 @@ the pod API as the trainer drives it:
   vllm pod TP2        --tensor-parallel-size 2: one vLLM engine of TP=2 over both cores
   vllm pod adaptive   --tp-sizes 1,2 (controller pod): the three engines, the start-up profile, and the pod's planner,
                       which picks each batch's start layout and merges its tail (requests re-prefilled)
-Each pod gets a warm-up batch (the adaptive pod's planner learns the lengths from it, as from an earlier
-iteration), then --repeats timed batches of bench/tail.py's requests (lognormal lengths, 16-token prompts, greedy,
-ignore_eos). A batch's seconds run from POST /v1/rollouts to the pod reporting it done.
+Each run starts a fresh pod and gives it a warm-up batch (the adaptive pod's planner learns the lengths from it, as
+from an earlier iteration), then one timed batch of bench/tail.py's requests (lognormal lengths, 16-token prompts,
+greedy, ignore_eos); --repeats runs per layout, the order reversed each time. A batch's seconds run from
+POST /v1/rollouts to the pod reporting it done.
 
 Prints each run and, last, one JSON line: `vllm_adaptive_over_vllm_best` (adaptive's median seconds over the faster
 fixed layout's; target <= 1.03: on this CPU TP=2 wins at every batch size, so adaptive must start there and match
 it) and the layouts' seconds. bench/engines.py adds these keys to its own last line. Not a test: it measures. About
-4 minutes on 2 cores (three pods' starts, the adaptive one's profile).
+8 minutes on 2 cores (six pods' starts, the adaptive ones' profiles).
   python bench/vllm_adaptive.py [--batch 32] [--cap 512] [--repeats 2]
 """
 
@@ -61,21 +62,20 @@ def measure(model_dir: Path, python: str, lengths: list[int], seed: int, repeats
                                                                        "ignore_eos": True}}
                for r in requests(lengths, seed)]
     max_seq = len(payload[0]["prompt_token_ids"]) + max(lengths) + 1
-    runs: dict[str, list[float]] = {}
+    runs: dict[str, list[float]] = {name: [] for name in LAYOUTS}
     with tempfile.TemporaryDirectory(prefix="pat-vllm-adaptive-") as scratch:
-        for name, args in LAYOUTS.items():
-            tmp = Path(tempfile.mkdtemp(prefix="v-", dir=scratch))  # short: the engines' socket paths
-            pod = Pod("vllm", model_dir, tmp, python, tmp / "pod.log", *args, max_seq=max_seq)
-            try:
-                run_batch(pod, "warm-up", payload)
-                runs[name] = []
-                for repeat in range(repeats):
-                    seconds, state = run_batch(pod, f"run-{repeat}", payload)
-                    runs[name].append(seconds)
-                    print(f"  {name}: {seconds:.2f} s, ended in layout {state['layout']} (epoch {state['epoch']})",
-                          flush=True)
-            finally:
-                pod.stop()
+        for repeat in range(repeats):  # a fresh pod per run; the order reversed each repeat: drift favours no one
+            for name, args in (LAYOUTS.items() if repeat % 2 == 0 else reversed(LAYOUTS.items())):
+                tmp = Path(tempfile.mkdtemp(prefix="v-", dir=scratch))  # short: the engines' socket paths
+                pod = Pod("vllm", model_dir, tmp, python, tmp / "pod.log", *args, max_seq=max_seq)
+                try:
+                    _, before = run_batch(pod, "warm-up", payload)
+                    seconds, after = run_batch(pod, "timed", payload)
+                finally:
+                    pod.stop()
+                runs[name].append(seconds)
+                print(f"  {name}: {seconds:.2f} s; layout {before['layout']} after the warm-up batch, "
+                      f"{after['layout']} at the end (epoch {before['epoch']} -> {after['epoch']})", flush=True)
     seconds = {name: statistics.median(rs) for name, rs in runs.items()}
     best = min(("vllm pod 2xTP1", "vllm pod TP2"), key=seconds.__getitem__)
     return {"vllm_adaptive_over_vllm_best": round(seconds["vllm pod adaptive"] / seconds[best], 4),

@@ -208,6 +208,11 @@ class Sequence:
     text: str = ""
     finish_reason: str | None = None
 
+    @property
+    def context(self) -> int:
+        """Tokens whose KV its engine holds: its prompt and tokens so far (0 until the engine streams its first)."""
+        return len(self.prompt_ids or ()) + len(self.tokens)
+
 
 def request_body(seq: Sequence) -> dict:
     """The streamed /v1/completions call that generates the rest of `seq`: the request itself at first; after a
@@ -451,8 +456,8 @@ class VllmPod:
                 await asyncio.sleep(0.5)
 
     async def _profile(self) -> None:
-        """The planner's inputs, measured on one engine of each TP size before the pod is ready (as engine pat's pods
-        profile at start), for the operator to read from /metrics: decode step seconds per batch size, the step's
+        """The planner's inputs, measured for each TP size before the pod is ready (as engine pat's pods profile at
+        start), for its planner or the operator's (from /metrics): decode step seconds per batch size, the step's
         growth per KV token, and the prefill's cost, which is what a move costs here (the target engine
         re-prefills the request). No KV moves between vLLM engines: its cost per token is infinite."""
         vocab = json.loads((Path(self.config.model_dir) / "config.json").read_text())["vocab_size"]
@@ -463,12 +468,14 @@ class VllmPod:
         given = Profile.from_json(json.loads(Path(self.config.profile).read_text())) if self.config.profile else None
         decode, kv, prefill, fixed = {}, {}, {}, 0.0
         for tp in self.config.sizes:
-            e = next(e for e in self._engines if len(e.ranks) == tp)
-            await self._stream_times(e, prompt(short), 2)  # a cold engine's first request
+            # Decode is measured on every engine of the layout at once, each with the batch size measured: the
+            # engines of a layout run together and share the host's memory bandwidth (one alone would be faster).
+            layout = [e for e in self._engines if len(e.ranks) == tp]
+            e = layout[0]
+            await asyncio.gather(*(self._stream_times(x, prompt(short), 2) for x in layout))  # cold engines
             if given is None:
-                decode[tp] = {b: await self._step_seconds(e, [prompt(short) for _ in range(b)])
-                              for b in PROFILE_BATCHES}
-                longer = await self._step_seconds(e, [prompt(long) for _ in range(top)])
+                decode[tp] = {b: await self._step_seconds(layout, b, short, prompt) for b in PROFILE_BATCHES}
+                longer = await self._step_seconds(layout, top, long, prompt)
                 kv[tp] = max(longer - decode[tp][top], 0.0) / (top * (long - short))
             first = [(await self._stream_times(e, prompt(n), 1))[0] for n in PROFILE_PROMPTS]
             slope = max((first[1] - first[0]) / (long - short), 0.0)
@@ -482,10 +489,12 @@ class VllmPod:
         log.info("profile%s: %s, prefill %s", f" from {self.config.profile}" if given else "", profile.to_json(),
                  prefill)
 
-    async def _step_seconds(self, e: _Engine, prompts: list[list[int]]) -> float:
-        """Seconds per decode step with the prompts decoding together: the median over them of each one's time
-        from its first to its last token per token between."""
-        times = await asyncio.gather(*(self._stream_times(e, p, PROFILE_STEPS) for p in prompts))
+    async def _step_seconds(self, engines: list[_Engine], batch: int, tokens: int,
+                            prompt: Callable[[int], list[int]]) -> float:
+        """Seconds per decode step with `batch` prompts of `tokens` tokens decoding together on each engine: the
+        median over them of each one's time from its first to its last token per token between."""
+        times = await asyncio.gather(*(self._stream_times(e, prompt(tokens), PROFILE_STEPS)
+                                       for e in engines for _ in range(batch)))
         return statistics.median((t[-1] - t[0]) / (len(t) - 1) for t in times)
 
     async def _stream_times(self, e: _Engine, prompt_ids: list[int], tokens: int) -> list[float]:
@@ -658,8 +667,8 @@ class VllmPod:
             await asyncio.sleep(PLAN_PERIOD_SECONDS)
             if batch is not self._batch or batch.done.is_set():
                 return
-            running = {e.ranks: [(len(s.prompt_ids or ()) + len(s.tokens), len(s.tokens))
-                                 for s, engine, _ in batch.running.values() if engine is e] for e in self._active()}
+            running = {e.ranks: [(s.context, len(s.tokens)) for s, engine, _ in batch.running.values() if engine is e]
+                       for e in self._active()}
             decision = self._planner.decide(self.layout, running, *self._model(predictor))
             if decision.layout is None:
                 continue
@@ -805,7 +814,7 @@ class VllmPod:
         for engine in self._active() if self._engines else []:
             label, mine = group_label(engine.ranks), [seq for seq, e, _ in running if e is engine]
             self.pod_metrics.running.labels(label).set(len(mine))
-            self.pod_metrics.context_tokens.labels(label).set(sum(len(s.prompt_ids or ()) + len(s.tokens) for s in mine))
+            self.pod_metrics.context_tokens.labels(label).set(sum(s.context for s in mine))
             self.pod_metrics.generated_tokens.labels(label).set(sum(len(s.tokens) for s in mine))
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Families(relabel(self._engine_metrics)))
