@@ -444,15 +444,16 @@ class Generator(PodTemplate):
                              f"{self.max_seq} or leave it out (default: maxSeq)")
         if self.engine == "vllm" and self.adaptive_tp.enabled:
             # A running vLLM engine's TP is fixed: the pod runs one engine per group of each layout and moves
-            # requests between them, as the operator's plans say.
+            # requests between them, as its planner (or the operator's) says.
             if self.gpus_per_pod:
                 raise ValueError("generator.adaptiveTP.enabled with engine vllm runs on CPU only (gpusPerPod: 0): on "
                                  "GPUs the engines of every layout share a GPU, and handing the weights on between "
                                  "them (CUDA IPC) is not built; set adaptiveTP.enabled: false or use engine pat")
             if self.vllm.tensor_parallel_size != 1:
                 raise ValueError(f"generator.vllm.tensorParallelSize={self.vllm.tensor_parallel_size} with adaptive "
-                                 f"TP: every rollout batch starts at TP=1 and the pod regroups it; leave "
-                                 f"tensorParallelSize at 1, or set adaptiveTP.enabled: false")
+                                 f"TP: the pod's base layout is all TP=1 engines (adaptiveTP.tpSizes sets the sizes "
+                                 f"its planner may use); leave tensorParallelSize at 1, or set adaptiveTP.enabled: "
+                                 f"false")
         return self
 
 

@@ -222,7 +222,8 @@ def _rules() -> dict[str, list[tuple[str, str]]]:
              "adaptiveTP.enabled: false or use engine pat"),
             (_when(["engine", "adaptiveTP.enabled", "vllm.tensorParallelSize"], "self.engine != 'vllm' || "
                    "!self.adaptiveTP.enabled || self.vllm.tensorParallelSize == 1"),
-             "generator.vllm.tensorParallelSize with adaptive TP: every rollout batch starts at TP=1; leave it at 1"),
+             "generator.vllm.tensorParallelSize with adaptive TP: the pod's base layout is all TP=1 engines; leave it "
+             "at 1 (adaptiveTP.tpSizes sets the sizes)"),
         ],
         "RLHFJobSpec": _spec_rules(),
     }

@@ -242,7 +242,7 @@ CASES = [
               "spec.generator.ranksPerPod": DELETE},
          good={"spec.generator.adaptiveTP": {"enabled": False}, "spec.generator.gpusPerPod": 2,
                "spec.generator.ranksPerPod": DELETE}),
-    Case("spec.generator", "generator.vllm.tensorParallelSize with adaptive TP", base="vllm",
+    Case("spec.generator", "generator.vllm.tensorParallelSize with adaptive TP: the pod's base layout", base="vllm",
          bad={"spec.generator.adaptiveTP": {"enabled": True, "controller": "operator"},
               "spec.generator.vllm.tensorParallelSize": 2},
          good={"spec.generator.adaptiveTP": {"enabled": True, "controller": "operator"},

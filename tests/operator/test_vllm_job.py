@@ -21,6 +21,7 @@ import torch
 
 from pat_workers.engine.tiny import make_tiny_model
 from tests.vllm.conftest import VLLM_MODEL, vllm_python
+from tests.vllm.test_adaptive import TAIL_PROFILE
 from tests.vllm.test_pod import policy_logprobs
 
 from .conftest import job_doc, phase
@@ -119,15 +120,18 @@ def test_a_vllm_job_syncs_weights_every_iteration_resumes_after_a_pod_kill_and_s
 
 def test_the_operator_regroups_a_vllm_job_in_its_tail(jobs, cluster, prometheus, tail_data):
     """engine vllm with adaptiveTP (controller operator, tpSizes [1, 2]): the pod runs two TP=1 engines and one
-    TP=2 engine over its two ranks, profiles them at start, and the operator, reading that profile and the queue
-    from Prometheus, moves the batch's long response to the TP=2 engine once the short ones end (the `bench`
-    model, whose decode steps TP=2 shortens on this CPU). Every response keeps its exact length: none lost or
-    duplicated by the move."""
+    TP=2 engine over its two ranks, and the operator, reading the pod's profile and queue from Prometheus, moves
+    the batch's long response to the TP=2 engine once the short ones end. Every response keeps its exact length:
+    none lost or duplicated by the move. The decode profile is given (adaptiveTP.profile: TP=2 faster with one
+    sequence, as it is for the `bench` model here), so that the plan does not hang on a start-up measurement taken
+    while the trainer pod loads beside it; tests/vllm measures and exports one."""
     name = "vllm-tail"
+    (tail_data / "profile.json").write_text(json.dumps(TAIL_PROFILE))
+    (tail_data / "profile.json").chmod(0o644)
     doc = tail_job(name, tail_data, TAIL, prometheus_url=prometheus.url)
     g = doc["spec"]["generator"]
     del g["maxBatch"]  # engine pat's
-    g["adaptiveTP"]["tpSizes"] = [1, 2]
+    g["adaptiveTP"].update(tpSizes=[1, 2], profile="/data/profile.json")
     g.update(engine="vllm", vllm={"enforceEager": True}, env=[{"name": "PAT_VLLM_PYTHON", "value": vllm_python()}])
     job = run_job(jobs, cluster, doc, timeout=480)
     generator = job["status"]["generators"][0]

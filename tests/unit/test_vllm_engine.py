@@ -86,8 +86,9 @@ def test_adaptive_tp_defaults_to_on_with_engine_pat_only(engine, enabled, adapti
      "spec.generator: generator.adaptiveTP.enabled with engine vllm runs on CPU only (gpusPerPod: 0): on GPUs the "
      "engines of every layout share a GPU, and handing the weights on between them (CUDA IPC) is not built"),
     (with_vllm_adaptive(tensorParallelSize=2),
-     "spec.generator: generator.vllm.tensorParallelSize=2 with adaptive TP: every rollout batch starts at TP=1 and "
-     "the pod regroups it; leave tensorParallelSize at 1, or set adaptiveTP.enabled: false"),
+     "spec.generator: generator.vllm.tensorParallelSize=2 with adaptive TP: the pod's base layout is all TP=1 "
+     "engines (adaptiveTP.tpSizes sets the sizes its planner may use); leave tensorParallelSize at 1, or set "
+     "adaptiveTP.enabled: false"),
     (with_vllm(maxModelLen=100),
      "spec.generator: generator.vllm.maxModelLen=100 is below generator.maxSeq=128: vLLM would refuse the longest "
      "sequences; raise it to at least 128 or leave it out (default: maxSeq)"),

@@ -89,6 +89,7 @@ KEPT_BATCHES = 8
 PROFILE_BATCHES = (1, 4, 16)
 PROFILE_STEPS = 16
 PROFILE_PROMPTS = (16, 96)
+PROFILE_ROUNDS = 3  # each measured this many times; the least disturbed counts (a shared host's noise only adds)
 PLAN_PERIOD_SECONDS = 0.2  # controller pod: how often the pod plans during a batch (a plan is ms of Python)
 PROXIED_HEADERS = ("Content-Type", "Accept")
 
@@ -466,23 +467,33 @@ class VllmPod:
         short, long = PROFILE_PROMPTS
         top = PROFILE_BATCHES[-1]
         given = Profile.from_json(json.loads(Path(self.config.profile).read_text())) if self.config.profile else None
-        decode, kv, prefill, fixed = {}, {}, {}, 0.0
+        seconds: dict[tuple, float] = {}  # what was measured -> its least disturbed round's seconds
+        for repeat in range(PROFILE_ROUNDS):  # the sizes interleaved, so that a drifting host favours none
+            for tp in self.config.sizes:
+                # Decode is measured on every engine of the layout at once, each with the batch size measured: the
+                # engines of a layout run together and share the host's memory bandwidth (one alone is faster).
+                layout = [e for e in self._engines if len(e.ranks) == tp]
+                if repeat == 0:
+                    await asyncio.gather(*(self._stream_times(e, prompt(short), 2) for e in layout))  # cold engines
+                measured = {}
+                if given is None:
+                    for b in PROFILE_BATCHES:
+                        measured[tp, "decode", b] = await self._step_seconds(layout, b, short, prompt)
+                    measured[tp, "long"] = await self._step_seconds(layout, top, long, prompt)
+                for n in PROFILE_PROMPTS:
+                    measured[tp, "first token", n] = (await self._stream_times(layout[0], prompt(n), 1))[0]
+                checked = time.perf_counter()
+                await self._healthy(layout[0])  # what a regroup asks of each target engine before it moves anything
+                measured[tp, "health"] = time.perf_counter() - checked
+                seconds.update({k: min(v, seconds.get(k, math.inf)) for k, v in measured.items()})
+        decode, kv, prefill = {}, {}, {}
         for tp in self.config.sizes:
-            # Decode is measured on every engine of the layout at once, each with the batch size measured: the
-            # engines of a layout run together and share the host's memory bandwidth (one alone would be faster).
-            layout = [e for e in self._engines if len(e.ranks) == tp]
-            e = layout[0]
-            await asyncio.gather(*(self._stream_times(x, prompt(short), 2) for x in layout))  # cold engines
             if given is None:
-                decode[tp] = {b: await self._step_seconds(layout, b, short, prompt) for b in PROFILE_BATCHES}
-                longer = await self._step_seconds(layout, top, long, prompt)
-                kv[tp] = max(longer - decode[tp][top], 0.0) / (top * (long - short))
-            first = [(await self._stream_times(e, prompt(n), 1))[0] for n in PROFILE_PROMPTS]
-            slope = max((first[1] - first[0]) / (long - short), 0.0)
-            prefill[tp] = (max(first[0] - slope * short, 0.0), slope)
-            checked = time.perf_counter()
-            await self._healthy(e)  # what a regroup asks of each target engine before it moves anything
-            fixed = max(fixed, time.perf_counter() - checked)
+                decode[tp] = {b: seconds[tp, "decode", b] for b in PROFILE_BATCHES}
+                kv[tp] = max(seconds[tp, "long"] - decode[tp][top], 0.0) / (top * (long - short))
+            slope = max((seconds[tp, "first token", long] - seconds[tp, "first token", short]) / (long - short), 0.0)
+            prefill[tp] = (max(seconds[tp, "first token", short] - slope * short, 0.0), slope)
+        fixed = max(seconds[tp, "health"] for tp in self.config.sizes)
         profile = given or Profile(decode, kv, short + PROFILE_STEPS // 2)
         self._profile_costs = profile, RegroupCosts(fixed, math.inf, prefill)
         self.pod_metrics.set_costs(profile.to_json(), fixed, math.inf, prefill)
