@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pat_operator import layout as layouts
 from pat_operator.planner import (PLAN_SPACING, REGROUP_FIXED_SECONDS, Controller, Decision, LengthPredictor,
                                   Profile, RegroupCosts)
+from pat_operator.prometheus import PRIOR_LENGTHS
 from pat_operator.podapi import (SLEEP_LEVELS, BatchStatus, Completion, GroupState, PodState, RegroupAck,
                                  RegroupPlan, RolloutBatch, RolloutRequest, WeightUpdate)
 
@@ -42,7 +43,6 @@ log = logging.getLogger("pat.generator")
 IDLE_POLL_SECONDS = 0.02  # the longest the thread waits for a rank event before it looks at its inbox again
 STATE_PERIOD_SECONDS = 0.05  # during a batch, `state` is republished at most this often (and at every command)
 KEPT_BATCHES = 8  # finished batches whose completions stay fetchable
-LENGTH_HISTORY = 4096  # response lengths of earlier batches the planner's length predictor learns from
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class Coordinator:
         self._batches: OrderedDict[str, _Batch] = OrderedDict()
         self._batch: _Batch | None = None  # the newest batch
         self._next_plan = 0.0  # perf_counter time before which the pod does not plan again
-        self._lengths: deque[int] = deque(maxlen=LENGTH_HISTORY)
+        self._lengths: deque[int] = deque(maxlen=PRIOR_LENGTHS)  # earlier batches' lengths: the predictor's prior
         self._last_ack: RegroupAck | None = None  # of the operator's last plan, for a retry of it
         self._receiving: int | None = None  # the weight version the ranks were sent into
         self._published = 0.0
