@@ -19,6 +19,7 @@ from pat_operator.prometheus import pod_metrics
 from pat_workers.engine.loader import load_weights
 from pat_workers.weightsync import WeightSender
 from tests.generator.conftest import Reference, mismatched, rollout
+from tests.unit.test_autoscale_inputs import sample, scraped
 
 from ..procs import children
 from .conftest import start_pod
@@ -123,9 +124,9 @@ def test_the_pod_exports_what_the_operators_planner_needs(adaptive_pod):
     try:
         deadline = time.monotonic() + 60
         while True:
-            series = [{"metric": {"__name__": name, **dict(labels), "pod": "p"}, "value": [0, str(value)]}
+            series = [sample(name, value, "p", **dict(labels))
                       for (name, labels), value in adaptive_pod.metrics().items()]
-            found, skipped = pod_metrics(series, [{"metric": {"pod": "p"}, "value": [0, "0"]}], max_age=5)
+            found, skipped = pod_metrics(series, scraped("p"), max_age=5)
             m = found["p"]
             if m.unfinished == 4 and all(generated >= 8 for g in m.running.values() for _, generated in g):
                 break

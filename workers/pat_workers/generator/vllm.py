@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -320,6 +320,21 @@ class _Engine:
         return f"vLLM engine {self.index} exited with code {code}: {last_error(list(self.output))}"
 
 
+async def _stream(engine: _Engine, seq: Sequence) -> AsyncIterator[int]:
+    """Streams the rest of `seq` from `engine` into it (request_body, absorb), yielding the tokens each chunk added.
+    Closing the stream (a cancelled consumer) makes vLLM abort the request."""
+    async with engine.session.post("http://engine/v1/completions", json=request_body(seq)) as resp:
+        if resp.status != 200:
+            reply = await resp.json(content_type=None)
+            raise RuntimeError(f"vLLM engine {engine.index} refused request {seq.request.id}: HTTP "
+                               f"{resp.status}: {(reply.get('error') or {}).get('message', reply)}")
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                before = len(seq.tokens)
+                absorb(seq, json.loads(line[len(b"data: "):]))
+                yield len(seq.tokens) - before
+
+
 @dataclass
 class _Batch:
     batch_id: str
@@ -513,15 +528,8 @@ class VllmPod:
         seq = Sequence(RolloutRequest(id="profile", prompt_token_ids=prompt_ids,
                                       sampling=Sampling(max_tokens=tokens, ignore_eos=True)))
         started, times = time.perf_counter(), []
-        async with e.session.post("http://engine/v1/completions", json=request_body(seq)) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"vLLM engine {e.index} refused the profile's request: HTTP {resp.status}: "
-                                   f"{await resp.text()}")
-            async for line in resp.content:
-                if line.startswith(b"data: {"):
-                    before = len(seq.tokens)
-                    absorb(seq, json.loads(line[len(b"data: "):]))
-                    times += [time.perf_counter() - started] * (len(seq.tokens) - before)
+        async for new in _stream(e, seq):
+            times += [time.perf_counter() - started] * new
         if len(times) != tokens:
             raise RuntimeError(f"vLLM engine {e.index} streamed {len(times)} of the profile's {tokens} tokens")
         return times
@@ -632,14 +640,8 @@ class VllmPod:
         took it from, where it goes back if `engine` fails it."""
         engine.in_flight += 1
         try:
-            async with engine.session.post("http://engine/v1/completions", json=request_body(seq)) as resp:
-                if resp.status != 200:
-                    reply = await resp.json(content_type=None)
-                    raise RuntimeError(f"vLLM engine {engine.index} refused request {seq.request.id}: HTTP "
-                                       f"{resp.status}: {(reply.get('error') or {}).get('message', reply)}")
-                async for line in resp.content:
-                    if line.startswith(b"data: {"):
-                        absorb(seq, json.loads(line[len(b"data: "):]))
+            async for _ in _stream(engine, seq):
+                pass
             if seq.finish_reason is None:
                 raise RuntimeError(f"vLLM engine {engine.index} ended request {seq.request.id}'s stream unfinished")
         except (aiohttp.ClientError, OSError, RuntimeError, KeyError, ValueError) as e:
