@@ -8,7 +8,7 @@ micro-batch). It reports
 - the peak GPU memory (torch.cuda.max_memory_allocated / max_memory_reserved, over loading and every step)
   against pat_operator.fit.trainer_memory's estimate for the same job (memory_ratio: target within 1 +- 0.15),
 - the MFU of the fastest warm step: model FLOPs (6 x matmul parameters x tokens, the LM head over the response
-  tokens it scores, plus causal attention) over its time, over the GPU's dense bf16 peak (target >= 0.40).
+  tokens it scores, plus causal attention; 8 x with the forward that recomputes pi_old) over its time, over the GPU's dense bf16 peak (target >= 0.40).
 It writes them to bench/results/gpu-check-trainer.json (--out to change), with the commit it measured, and prints
 them as one JSON line.
 On an error it still writes what it has, with the traceback; a watchdog ends it after --timeout seconds.
@@ -57,14 +57,15 @@ def write_model(path: Path, dims: dict, dtype: torch.dtype) -> Path:
     return path
 
 
-def model_flops(shape: fit.ModelShape, sequence_tokens: list[int], response_tokens: int) -> float:
-    """Forward + backward FLOPs (3 x the forward's), not counting activation checkpointing's recomputation:
-    every token through each layer's matrices, the scored response tokens through the LM head, and causal
-    attention (q.k and attention x v over half of the T x T pairs per head and layer)."""
+def model_flops(shape: fit.ModelShape, sequence_tokens: list[int], response_tokens: int, recompute: bool) -> float:
+    """Forward + backward FLOPs (3 x the forward's), and with `recompute` the forward that scores pi_old before the
+    step (algorithm.oldLogprobs: trainer), not counting activation checkpointing's recomputation: every token
+    through each layer's matrices, the scored response tokens through the LM head, and causal attention (q.k and
+    attention x v over half of the T x T pairs per head and layer)."""
     layers = shape.layers * shape.layer_matmul_params * sum(sequence_tokens)
     head = shape.vocab * shape.hidden * response_tokens
     attention = shape.layers * shape.heads * shape.head_dim * sum(t * t for t in sequence_tokens)
-    return 6 * (layers + head) + 6 * attention
+    return (4 if recompute else 3) * 2 * (layers + head + attention)
 
 
 def measure(model_dir: Path, device: torch.device, args: argparse.Namespace, result: dict) -> None:
@@ -92,7 +93,8 @@ def measure(model_dir: Path, device: torch.device, args: argparse.Namespace, res
         seconds.append(round(time.perf_counter() - start, 4))
         print(f"step {len(seconds)}: {seconds[-1]:.3f} s", flush=True)
     result["state_bytes"] = state_bytes(policy, optimizer)
-    flops = model_flops(shape, [sequence] * args.sequences, args.sequences * args.response_tokens)
+    flops = model_flops(shape, [sequence] * args.sequences, args.sequences * args.response_tokens,
+                        spec.algorithm.old_logprobs == "trainer")
     peak = fit.gpu(args.gpu).bf16_flops
     result.update(model_flops=flops, peak_flops=peak, mfu=round(flops / min(seconds[1:]) / peak, 4))
 

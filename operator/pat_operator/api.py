@@ -89,9 +89,16 @@ class Dataset(_Model):
     """The prompts: a file of problems (path) or a generated task (synthetic)."""
     path: str | None = Field(None, description="a .jsonl or .parquet file of problems")
     format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="auto: from the suffix of path")
-    prompt_field: str = Field("problem", description="the field of a record that holds the problem")
-    answer_field: str = Field("answer", description="the field of a record that holds the reference answer")
-    prompt_template: str = Field("{prompt}", description="how a problem becomes a prompt; {prompt} is replaced")
+    prompt_field: str = Field("problem", description="the field of a record that holds the problem: text, or a list "
+                              "of chat messages {role, content} (verl: prompt); a.b is the field b of the object "
+                              "or struct column a")
+    answer_field: str = Field("answer", description="the field of a record that holds the reference answer; a.b as "
+                              "in promptField (verl: reward_model.ground_truth)")
+    prompt_template: str = Field("{prompt}", description="how a text problem becomes a prompt; {prompt} is replaced "
+                                 "(before the chat template)")
+    chat_template: bool | None = Field(None, description="render each prompt with the tokenizer's chat template (a "
+                                       "text prompt as one user message), ready for the assistant's reply; false: "
+                                       "the raw text; unset: on when the tokenizer has a chat template")
     length_field: str | None = Field(None, description="a field of a record giving the response length to generate "
                                      "for it, exactly (EOS ignored, at most maxResponseTokens), or a list of them, "
                                      "one per sample: replays recorded lengths, for benchmarks of long tails")
@@ -116,6 +123,8 @@ class Reward(_Model):
     overlong_buffer: int = Field(0, ge=0, description="DAPO's soft overlong punishment: a response longer than "
                                  "maxResponseTokens - overlongBuffer loses up to overlongPenalty, linearly; 0: off")
     overlong_penalty: float = Field(1.0, ge=0, description="the most an overlong response loses (overlongBuffer)")
+    timeout_seconds: float = Field(5.0, gt=0, description="the longest that scoring one response may take; past "
+                                   "it (or when the function raises) the response scores 0, a counted failure")
 
     @model_validator(mode="after")
     def _known(self) -> Reward:
@@ -142,11 +151,26 @@ class Algorithm(_Model):
         "token-mean", description="seq-mean-token-sum-norm for Dr. GRPO")
     mini_batches: int = Field(2, ge=1, description="optimizer steps per iteration (the clip ratio acts from the 2nd)")
     grad_clip: float = Field(1.0, gt=0, description="the gradients' global norm is clipped to this")
-    max_tokens_per_micro_batch: int = Field(16384, ge=2, description="each rank splits its share of a mini-batch "
-                                            "into micro-batches of at most this many tokens (rows x longest row), "
-                                            "accumulating gradients: one optimizer step either way; bounds "
-                                            "activation memory. At least generator.maxSeq (one whole sequence)")
+    max_tokens_per_micro_batch: int = Field(16384, ge=2, description="a mini-batch is split across the ranks and "
+                                            "into micro-batches of at most this many tokens, balanced by tokens, "
+                                            "each packed into one row without padding, accumulating gradients: one "
+                                            "optimizer step either way; bounds activation memory. At least "
+                                            "generator.maxSeq (one whole sequence)")
+    old_logprobs: Literal["trainer", "engine"] = Field(
+        "trainer", description="pi_old of the PPO ratio: trainer recomputes it with the policy's own forward before "
+        "the iteration's first update (as verl does); engine takes the generators' sampled-token log-probabilities")
+    rollout_correction: Literal["none", "tis"] = Field(
+        "none", description="tis: truncated importance sampling for the gap between the engine and the trainer, "
+        "each token's loss times min(pi_old / pi_engine, tisCap) (needs oldLogprobs: trainer)")
+    tis_cap: float = Field(2.0, ge=1, description="tis: the largest importance weight")
     seed: int = Field(0, description="the random seed of sampling and shuffling")
+
+    @model_validator(mode="after")
+    def _correction(self) -> Algorithm:
+        if self.rollout_correction == "tis" and self.old_logprobs == "engine":
+            raise ValueError("algorithm.rolloutCorrection: tis weighs the trainer's pi_old against the engine's; "
+                             "set algorithm.oldLogprobs: trainer (the default)")
+        return self
 
 
 class EnvVar(_Model):
@@ -255,6 +279,9 @@ class Trainer(PodTemplate):
                                                   "default: on with GPUs, off on CPU")
     cpu_offload: bool = Field(False, description="keep parameters, gradients and optimizer states in host memory "
                               "(FSDP2's CPUOffloadPolicy): fits larger models, trains slower")
+    deterministic: bool | None = Field(None, description="torch's deterministic algorithms, for bitwise-reproducible "
+                                       "training and resumes: slower kernels; on GPUs the flash-attention backward "
+                                       "stays nondeterministic (torch only warns). Default: on on CPU, off with GPUs")
 
     @property
     def ranks(self) -> int:

@@ -173,6 +173,9 @@ def _rules() -> dict[str, list[tuple[str, str]]]:
                           f"self.{_cel('function')}.contains(':')"),
                     "reward.function: use math or a plugin as module:function")],
         "Resources": _resources_rules(),
+        "Algorithm": [(_when(["rolloutCorrection", "oldLogprobs"],
+                             "self.rolloutCorrection != 'tis' || self.oldLogprobs != 'engine'"),
+                       "algorithm.rolloutCorrection: tis weighs the trainer's pi_old against the engine's")],
         "AdaptiveTP": [
             (_when(["tpSizes"], "1 in self.tpSizes"),
              "generator.adaptiveTP.tpSizes must include 1: every rollout batch starts at TP=1"),

@@ -53,6 +53,12 @@ TRAINER_LOSS = "pat_trainer_loss"
 TRAINER_KL = "pat_trainer_kl"
 TRAINER_ENTROPY = "pat_trainer_entropy"
 TRAINER_POLICY_VERSION = "pat_trainer_policy_version"
+# counter: exported as pat_trainer_reward_failures_total; responses scored 0 as their reward raised or timed out
+TRAINER_REWARD_FAILURES = "pat_trainer_reward_failures"
+# The engine's sampled-token log-probabilities against the trainer's pi_old, over the last iteration's tokens.
+TRAINER_ROLLOUT_LOGPROB_DIFF_MEAN = "pat_trainer_rollout_logprob_diff_mean"
+TRAINER_ROLLOUT_LOGPROB_DIFF_MAX = "pat_trainer_rollout_logprob_diff_max"
+TRAINER_ROLLOUT_KL = "pat_trainer_rollout_kl"  # k3 estimate of KL(engine || trainer)
 
 TRAINER_PHASES = ("generate", "reward", "train", "sync", "checkpoint", "switch")  # switch: colocated sleep + wake
 

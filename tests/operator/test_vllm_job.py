@@ -30,7 +30,7 @@ from .tailjob import SHORT, TAIL, claim, rollouts, run_job, tail_job
 pytestmark = pytest.mark.cluster
 ITERATIONS = 3
 # vLLM's log-probabilities against the trainer's, under the same weights: the mean |difference| per token that
-# the trainer logs as logprob_gap. Measured ~1e-5 (float32); weights one GRPO step apart differ by ~100x this.
+# the trainer logs as logprob_diff_mean. Measured ~1e-5 (float32); weights one GRPO step apart differ by ~100x this.
 GAP_TOL = 2e-3
 
 
@@ -108,7 +108,7 @@ def test_a_vllm_job_syncs_weights_every_iteration_resumes_after_a_pod_kill_and_s
     rows = {r["iteration"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     assert sorted(rows) == list(range(1, ITERATIONS + 1)), rows
     for it, row in rows.items():  # vLLM generated with the weights the trainer held: synced every iteration
-        assert row["logprob_gap"] < GAP_TOL, (it, row)
+        assert row["logprob_diff_mean"] < GAP_TOL, (it, row)
     # The negative control: the last iteration's rollouts scored with the initial weights (a vLLM that missed the
     # syncs) are far from what vLLM reported, so a missed sync could not pass the check above.
     last = json.loads((run / "rollouts" / f"iter-{ITERATIONS:04d}.json").read_text())

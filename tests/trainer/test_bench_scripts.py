@@ -1,5 +1,6 @@
-"""The trainer's benchmark scripts run end to end here: bench/gpu_check.py's code path on CPU (--smoke), and
-bench/trainer_memory.py on the test model (--quick), whose sharding it measures; and the engine's
+"""The trainer's benchmark scripts run end to end here: bench/gpu_check.py's code path on CPU (--smoke),
+bench/trainer_memory.py on the test model (--quick), whose sharding it measures, and bench/trainer_throughput.py
+(--quick); and the engine's
 bench/engine_capacity.py (--quick); and bench/placement.py on a job of a few tokens (both placements, one steady
 iteration each)."""
 
@@ -78,3 +79,13 @@ def test_placement_smoke_runs_both_placements(tmp_path):
     assert result["colocated_switch_seconds_per_iteration"] > 0
     # The engines hand their KV pools back while the trainer trains, and take them again.
     assert result["colocated_engine_memory_held_bytes"] > result["colocated_engine_memory_released_bytes"] > 0
+
+
+def test_trainer_throughput_quick_runs_every_variant():
+    result = run_script("bench/trainer_throughput.py", "--quick", "--repeats", "1", timeout=240)
+    # Timings only exist here: the test model's steps are too short to tell the variants apart.
+    for variant in ("padded", "packed", "recompute"):
+        assert result[f"{variant}_tokens_per_s"] > 0 and len(result["seconds"][variant]) == 2  # warm-up + 1
+    assert result["packed_balanced_over_padded_tokens_per_s"] == pytest.approx(
+        result["packed_tokens_per_s"] / result["padded_tokens_per_s"], rel=1e-2)
+    assert result["ranks"] == 2 and result["tokens"] > result["sequences"] * 32  # the prompts and the responses

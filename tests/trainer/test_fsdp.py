@@ -26,7 +26,7 @@ def make_rollouts(model_dir, iteration: int) -> list[Rollout]:
         prompt = torch.randint(0, 300, (3 + i % 3,), generator=g).tolist()
         response = torch.randint(0, 300, (1 + (5 * i) % 11,), generator=g).tolist()
         with torch.no_grad():
-            lp = policy(torch.tensor([prompt + response]), torch.tensor([len(prompt)]),
+            lp = policy(torch.tensor(prompt + response), torch.tensor([len(prompt)]),
                         torch.tensor([len(response)])).logprobs[0]
         rollouts.append(Rollout(prompt, response, (lp + 0.2 * torch.randn(lp.shape, generator=g)).tolist(),
                                 float(rewards[i]), advantage))
@@ -91,9 +91,9 @@ def test_fsdp_ranks_train_to_the_weights_of_one_process(model_dir, batches, sing
 
 
 def test_micro_batches_activation_checkpointing_and_offload_change_no_step(model_dir, batches, single):
-    # 24 tokens per micro-batch: each rank's 4 sequences of up to 16 tokens take 2 or 3 passes, and in the second
-    # mini-batch the ranks' counts differ (3 and 2: a zero-weight pass pairs them up). CPUOffloadPolicy runs the
-    # optimizer on host copies (on CPU the same memory, so this checks its code path, not a transfer).
+    # 24 tokens per micro-batch: each rank's share of 36 to 47 packed tokens takes 2 or 3 passes (a rank with
+    # fewer runs zero-weight passes: tests/trainer/test_old_logprobs.py). CPUOffloadPolicy runs the optimizer on
+    # host copies (on CPU the same memory, so this checks its code path, not a transfer).
     tight = {**ALGORITHM, "max_tokens_per_micro_batch": 24}
     (weights, _), _ = run_ranks(train_rank, 2, model_dir, batches, tight, True, True, None, None, True, timeout=180)
     assert max_difference(weights, single[0]) < TOLERANCE

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pat_workers.trainer.grpo import group_advantages, policy_loss
+from pat_workers.trainer.grpo import group_advantages, mismatch_sums, policy_loss, tis_weights
 
 
 def test_group_advantages_by_hand():
@@ -79,3 +79,32 @@ def test_kl_penalty_by_hand():
         policy_loss(logprobs, logprobs, torch.zeros(1), mask, clip_ratio=0.2, kl_coef=0.1)
     with pytest.raises(ValueError, match="old_logprobs has shape"):
         policy_loss(logprobs, logprobs[:, :1], torch.zeros(1), mask, clip_ratio=0.2)
+
+
+def test_tis_weights_are_the_truncated_ratio_by_hand():
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    engine = torch.log(torch.tensor([[0.25, 0.4, 0.1]]))
+    # pi_old / pi_engine = 2, 0.5, 9 -> capped at 3
+    assert torch.allclose(tis_weights(old, engine, cap=3.0), torch.tensor([[2.0, 0.5, 3.0]]))
+
+
+def test_token_weights_scale_each_tokens_policy_term():
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    args = dict(old_logprobs=logprobs.detach(), advantages=torch.tensor([1.0]), mask=mask, clip_ratio=0.2)
+    plain, _ = policy_loss(logprobs, **args)
+    weighted, _ = policy_loss(logprobs, **args, token_weights=torch.tensor([[2.0, 0.5]]))
+    # ratio 1 at every token: the loss is -mean(A * w)
+    assert plain.item() == pytest.approx(-1.0) and weighted.item() == pytest.approx(-(2.0 + 0.5) / 2)
+    (grad,) = torch.autograd.grad(weighted, logprobs)
+    assert torch.allclose(grad, torch.tensor([[-1.0, -0.25]]))  # d/dlogp of -A w r / 2 at r = 1
+
+
+def test_mismatch_sums_by_hand_over_the_masked_tokens():
+    trainer = torch.tensor([[-1.0, -2.0, -3.0]])
+    engine = torch.tensor([[-1.5, -2.0, -9.0]])
+    mask = torch.tensor([[True, True, False]])  # the third token is padding: its huge gap must not count
+    sums = mismatch_sums(trainer, engine, mask)
+    k3 = math.exp(0.5) - 0.5 - 1  # d = trainer - engine = 0.5 at the first token, 0 at the second
+    assert sums == pytest.approx({"abs_sum": 0.5, "abs_max": 0.5, "k3_sum": k3})
+    assert mismatch_sums(trainer, trainer, mask) == {"abs_sum": 0.0, "abs_max": 0.0, "k3_sum": 0.0}

@@ -1,12 +1,13 @@
 """The policy computes with the engine's model: its log-probabilities are the engine's, its gradients reach every
-weight, the chunked loss equals the full one without ever holding [tokens, vocab], and activation checkpointing
-changes no gradient."""
+weight, sequences packed into one row score and train as they do alone, the chunked loss equals the full one without
+ever holding [tokens, vocab], and activation checkpointing changes no gradient."""
 
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from pat_workers.engine.comm import SoloCommunicator
 from pat_workers.engine.kv import PagedKV
@@ -15,7 +16,7 @@ from pat_workers.engine.model import Transformer
 from pat_workers.engine.tiny import make_tiny_model
 from pat_workers.trainer import policy as policy_module
 from pat_workers.trainer.grpo import policy_loss
-from pat_workers.trainer.policy import Policy, token_logprobs
+from pat_workers.trainer.policy import Policy, packed_attention, token_logprobs
 
 
 def prefill_logprobs(model_dir, row: torch.Tensor) -> torch.Tensor:
@@ -41,21 +42,21 @@ def test_logprobs_equal_the_engine_prefill(tmp_path, family):
     policy = Policy(model_dir)
     tokens = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logprobs = score(policy, tokens, [1, 1], [9, 9]).logprobs
-        # A right-padded row gives the same log-probabilities at its real positions.
-        padded = score(policy, torch.cat([tokens[:1, :6], torch.full((1, 4), 258)], dim=1), [1], [5]).logprobs
+        logprobs = score(policy, tokens.flatten(), [1, 1], [9, 9]).logprobs  # two sequences in one row
+        shorter = score(policy, tokens[0, :6], [1], [5]).logprobs  # a prefix alone: the same at its positions
     for row in range(2):
         assert (logprobs[row] - prefill_logprobs(model_dir, tokens[row])).abs().max().item() < 1e-5
-    assert (padded[0] - logprobs[0, :5]).abs().max().item() < 1e-5
+    assert (shorter[0] - logprobs[0, :5]).abs().max().item() < 1e-5
     # Negative control: another model's differ.
     other = Policy(make_tiny_model(tmp_path / "other", family=family, seed=3))
     with torch.no_grad():
-        assert (score(other, tokens, [1, 1], [9, 9]).logprobs - logprobs).abs().max().item() > 1e-2
+        assert (score(other, tokens.flatten(), [1, 1], [9, 9]).logprobs - logprobs).abs().max().item() > 1e-2
 
 
 def batch(vocab: int = 300):
+    """Three sequences of 8, 9 and 6 tokens packed into one row."""
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, vocab, (3, 9), generator=g)
+    tokens = torch.randint(0, vocab, (23,), generator=g)
     return tokens, torch.tensor([3, 2, 4]), torch.tensor([5, 7, 2])
 
 
@@ -66,17 +67,77 @@ def test_response_logprobs_pick_the_next_token_probability(model_dir):
     assert out.logprobs.shape == out.mask.shape == out.entropy.shape == (3, 7)
     assert out.mask.sum(1).tolist() == [5, 7, 2]
     assert (out.logprobs[~out.mask] == 0).all() and (out.logprobs[out.mask] < 0).all()
-    # Row 2's response tokens are tokens[2, 4:6]: scoring the row with a longer prompt gives the same values.
+    # Sequence 2's response tokens are tokens[21:23]: scoring it alone with a longer prompt gives the same values.
     with torch.no_grad():
-        shifted = score(policy, tokens[2:], [5], [1]).logprobs
+        shifted = score(policy, tokens[17:], [5], [1]).logprobs
     assert shifted[0, 0].item() == pytest.approx(out.logprobs[2, 1].item(), abs=1e-5)
     entropy = out.entropy[out.mask]
     assert (entropy > 0).all() and (entropy <= math.log(policy.config.vocab_size) + 1e-5).all()
     assert not out.entropy.requires_grad and (out.entropy[~out.mask] == 0).all()
+    with pytest.raises(ValueError, match="add up to the row"):
+        score(policy, tokens, [3, 2, 4], [5, 8, 2])  # 24 tokens, not 23
     with pytest.raises(ValueError, match="prompt_len >= 1"):
-        score(policy, tokens, [3, 2, 4], [5, 8, 2])  # 2 + 8 > 9
-    with pytest.raises(ValueError, match="one entry per row"):
-        score(policy, tokens, [3, 2], [5, 7])
+        score(policy, tokens, [3, 0, 4], [5, 9, 2])
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        score(policy, tokens, [3, 2], [5, 7, 2])
+    with pytest.raises(ValueError, match="one packed row"):
+        score(policy, tokens[None], [3, 2, 4], [5, 7, 2])
+
+
+SEQUENCES = [(3, 5), (2, 1), (5, 0), (1, 9), (4, 3)]  # (prompt, response) tokens: a 1-token and an empty response
+
+
+def packed_loss(policy, sequences, tokens, old, advantages):
+    """The GRPO loss of `sequences` (slices of `tokens`) scored in one packed row, as a share of the whole batch."""
+    prompt_lens, response_lens = (torch.tensor(lens) for lens in zip(*sequences))
+    out = policy(tokens, prompt_lens, response_lens)
+    width = out.logprobs.shape[1]
+    totals = (float(sum(r for _, r in SEQUENCES)), float(len(SEQUENCES)))
+    return policy_loss(out.logprobs, old[:, :width], advantages, out.mask, clip_ratio=0.2, totals=totals)[0]
+
+
+def test_packed_sequences_train_as_they_do_one_by_one(model_dir, monkeypatch):
+    """The loss and every gradient of a packed micro-batch are the sums of its sequences' computed alone: each
+    attends only to itself, its positions from 0."""
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(0, 300, (p + r,), generator=g) for p, r in SEQUENCES]
+    old = -torch.rand(len(SEQUENCES), 9, generator=g) * 5  # pi_old of each response token: ratios far from 1
+    advantages = torch.randn(len(SEQUENCES), generator=g)
+
+    def loss_and_grads(policy, parts):
+        policy.zero_grad()
+        loss = sum(packed_loss(policy, [SEQUENCES[i] for i in part], torch.cat([rows[i] for i in part]),
+                               old[part], advantages[part]) for part in parts)
+        loss.backward()
+        return loss.item(), {name: p.grad.clone() for name, p in policy.named_parameters()}
+
+    policy = Policy(model_dir)
+    loss, grads = loss_and_grads(policy, [list(range(len(SEQUENCES)))])
+    alone_loss, alone_grads = loss_and_grads(policy, [[i] for i in range(len(SEQUENCES))])
+    assert loss == pytest.approx(alone_loss, rel=1e-5, abs=1e-7)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, alone_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    # Negative control: attention across the whole row (no document mask) scores another loss.
+    monkeypatch.setattr(policy_module, "packed_attention", lambda lengths, device, flex: lambda q, k, v:
+                        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    assert abs(loss_and_grads(policy, [list(range(len(SEQUENCES)))])[0] - alone_loss) > 1e-3
+
+
+def test_flex_attention_masks_each_sequence_like_sdpa_does(monkeypatch):
+    """The CUDA path (FlexAttention with a document mask over the row padded to FLEX_BLOCK) equals the CPU path
+    (causal SDPA per sequence), forward, on CPU: the kernel compiled for static shapes, as inductor's CPU template
+    needs (a symbolic length miscompiles there)."""
+    monkeypatch.setattr(policy_module, "_flex_attention", torch.compile(flex_attention, dynamic=False))
+    g = torch.Generator().manual_seed(0)
+    lengths = [8, 1, 30, 11]
+    q, k, v = (torch.randn(1, heads, sum(lengths), 16, generator=g) for heads in (8, 4, 4))
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        flex = packed_attention(lengths, cpu, flex=True)(q, k, v)
+        sdpa = packed_attention(lengths, cpu, flex=False)(q, k, v)
+        whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert (flex - sdpa).abs().max().item() < 1e-5
+    assert (whole - sdpa).abs().max().item() > 1e-2  # negative control: without the mask the sequences mix
 
 
 def test_gradients_reach_every_weight(model_dir):

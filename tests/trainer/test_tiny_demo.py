@@ -16,8 +16,8 @@ from pat_workers.trainer.policy import Policy
 
 def initial_entropy(model_dir) -> float:
     policy = Policy(model_dir)
-    tokens = torch.randint(0, policy.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    tokens = torch.randint(0, policy.config.vocab_size, (4 * 16,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # 4 sequences of 16 tokens packed into one row
         return policy(tokens, torch.ones(4, dtype=torch.long), torch.full((4,), 15)).entropy.mean().item()
 
 

@@ -228,7 +228,8 @@ def test_the_panels_the_issue_asks_for():
     for name in (names.TRAINER_PHASE_SECONDS, names.TRAINER_REWARD_MEAN, names.TRAINER_REWARD_STD,
                  names.GENERATOR_REQUESTS_RUNNING, names.GENERATOR_REQUESTS_WAITING, names.GENERATOR_TP_SIZE,
                  names.GENERATOR_TOKENS + "_total", names.GENERATOR_STEP_SECONDS + "_bucket",
-                 names.GENERATOR_REGROUPS + "_total"):
+                 names.GENERATOR_REGROUPS + "_total", names.TRAINER_ROLLOUT_LOGPROB_DIFF_MEAN,
+                 names.TRAINER_ROLLOUT_LOGPROB_DIFF_MAX, names.TRAINER_ROLLOUT_KL):
         assert name in exprs, name
     assert annotation_queries(RLHF_JOB, **VARIABLES)
     exprs = "\n".join(q for _, q in panel_queries(OPERATOR, namespace="ns"))

@@ -152,3 +152,11 @@ def test_learning_tells_a_trend_from_noise():
     flat = report.learning([{"score_mean": s} for s in shuffled], "score_mean")
     assert abs(flat["trend_t"]) < 1.5, flat
     assert report.learning([{"score_mean": 0.1}] * 3, "score_mean")["iterations_compared"] == 0  # too few
+
+
+def test_rollout_mismatch_averages_the_means_and_keeps_the_largest_delta():
+    rows = [{"logprob_diff_mean": 0.1, "logprob_diff_max": 0.5, "logprob_kl": 0.01},
+            {"logprob_diff_mean": 0.3, "logprob_diff_max": 2.0, "logprob_kl": 0.03}]
+    m = report.rollout_mismatch(rows)
+    assert m == pytest.approx({"logprob_diff_mean": 0.2, "logprob_diff_max": 2.0, "logprob_kl": 0.02})
+    assert report.rollout_mismatch([{"iteration": 1}]) is None  # a run from before the measurements

@@ -30,7 +30,7 @@ def policy_logprobs(model_dir, tokens: list[int], weights: dict[str, torch.Tenso
     if weights is not None:
         policy.load_state_dict(weights)
     with torch.no_grad():
-        out = policy(torch.tensor([tokens]), torch.tensor([1]), torch.tensor([len(tokens) - 1]))
+        out = policy(torch.tensor(tokens), torch.tensor([1]), torch.tensor([len(tokens) - 1]))
     return out.logprobs[0]
 
 

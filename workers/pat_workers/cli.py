@@ -4,8 +4,10 @@
   pat validate JOB.yaml                           checks a job spec and its objects; prints each bad field
   pat plan JOB.yaml [--model-config F] [--gpu G]  memory per GPU of trainer and generator ranks: will it fit?
   pat manifests JOB.yaml [--namespace NS]         every object the operator would create for the job (YAML)
+  pat data JOB.yaml [--show N] [--model DIR]      the first N prompts as the generators receive them (docs/data.md)
   pat prepare --job JOB.yaml --model DIR          builds the job's tiny model into DIR (a pod's init container)
   pat simulate JOB.yaml | --preset NAME           adaptive TP vs fixed layouts under a GPU cost model (simulated)
+  pat reward JOB.yaml | --function F ...         one response's score as the trainer gives it (--answer, --response)
   pat generator ...                               one generator pod (coordinator + engine ranks)
   pat trainer ... -- ...                          one trainer pod (its ranks through torch.distributed.run)
   pat colocated ...                               one pod of a colocated job: its generator and trainer ranks
@@ -15,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from pat_operator.api import JobSpecError, load_job
+from pat_operator.api import JobSpecError, RLHFJobSpec, load_job
 
 
 def _run(argv: list[str]) -> int:
@@ -130,6 +135,49 @@ def _prepare(argv: list[str]) -> int:
     return 0
 
 
+def _data(argv: list[str]) -> int:
+    """The trainer's own rendering (trainer/prompts.py) of the job's first prompts: text, token count, answer."""
+    ap = argparse.ArgumentParser(prog="pat data", description="print an RLHFJob's first prompts exactly as the "
+                                 "generators receive them: the text (chat template applied), its token count and "
+                                 "the reference answer")
+    ap.add_argument("job", help="RLHFJob YAML")
+    ap.add_argument("--show", type=int, default=3, metavar="N", help="how many prompts, from the first (default 3)")
+    ap.add_argument("--model", help="the directory with the tokenizer (default: spec.tokenizer.path, else "
+                    "spec.model.path; model.tiny: built as pat run builds it)")
+    ap.add_argument("--data-dir", default=".", help="a relative dataset.path is relative to this (default: the "
+                    "current directory, as for pat prepare)")
+    args = ap.parse_args(argv)
+    job = load_job(args.job)
+    from .trainer.data import load_problems
+    from .trainer.prompts import load_prompts
+
+    try:
+        problems = load_problems(job.spec.dataset, base_dir=args.data_dir)
+        with _tokenizer_dir(job.spec, args.model, Path(args.data_dir)) as tokenizer_dir:
+            prompts = load_prompts(problems, tokenizer_dir, job.spec.dataset)
+    except ValueError as e:
+        print(f"pat data: {e}", file=sys.stderr)
+        return 2
+    for index in range(min(args.show, len(prompts))):
+        rendered = prompts.render(index)
+        print(f"--- prompt {index + 1} of {len(prompts)}: {len(rendered.token_ids)} tokens, answer "
+              f"{problems[index].answer!r}")
+        print(rendered.text)
+    return 0
+
+
+@contextmanager
+def _tokenizer_dir(spec: RLHFJobSpec, model: str | None, data_dir: Path) -> Iterator[Path]:
+    """The trainer's tokenizer directory: --model, else the job's; a tiny model is built into a temporary one."""
+    if named := model or spec.tokenizer.path or spec.model.path:
+        yield Path(named)
+        return
+    from .launcher import prepare_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        yield prepare_model(spec, Path(tmp) / "model", data_dir)
+
+
 def _plan(argv: list[str]) -> int:
     from .plan import main as plan
     return plan(argv)
@@ -148,10 +196,46 @@ def _simulate(argv: list[str]) -> int:
         return 2
 
 
+def _reward(argv: list[str]) -> int:
+    """The trainer's own load_reward and Grader on one response, so that a reward can be checked before a run."""
+    from pydantic import ValidationError
+
+    from pat_operator.api import Reward
+
+    from .trainer.rewards import load_reward
+
+    ap = argparse.ArgumentParser(prog="pat reward", description="score one response as the trainer would: the "
+                                 "job's spec.reward or --function's; the score is the last line printed")
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("job", nargs="?", help="RLHFJob YAML whose spec.reward scores")
+    source.add_argument("--function", help="math or a plugin as module:function, its module found on PYTHONPATH")
+    ap.add_argument("--answer", required=True, help="the reference answer (a dataset's answer field)")
+    ap.add_argument("--response", required=True, help="the response text")
+    ap.add_argument("--format-score", type=float, help="reward.formatScore (default: the job's, else 0)")
+    args = ap.parse_args(argv)
+    fields = load_job(args.job).spec.reward.model_dump() if args.job else {"function": args.function}
+    if args.format_score is not None:
+        fields["format_score"] = args.format_score
+    try:
+        spec = Reward.model_validate(fields)
+    except ValidationError as e:  # only --format-score has a field error here; --function's names itself
+        ap.error("; ".join(("--format-score: " if err["loc"] else "") + err["msg"].removeprefix("Value error, ")
+                           for err in e.errors()))
+    if (cwd := str(Path.cwd())) not in sys.path:  # the trainer runs as `python -m`, the current directory on its path
+        sys.path.insert(0, cwd)
+    try:
+        grader = load_reward(spec)
+    except ValueError as e:
+        print(f"pat reward: {e}", file=sys.stderr)
+        return 2
+    print(grader(args.response, args.answer))
+    return 1 if grader.failures else 0  # the function raised or timed out: logged above the score
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"run": _run, "validate": _validate, "plan": _plan, "manifests": _manifests, "prepare": _prepare,
-                "simulate": _simulate}
+                "simulate": _simulate, "data": _data, "reward": _reward}
     if not argv or argv[0] not in (*commands, "generator", "trainer", "colocated"):
         print(__doc__.strip(), file=sys.stderr)
         return 2

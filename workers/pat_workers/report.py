@@ -54,6 +54,17 @@ def learning(rows: list[dict], key: str = "reward_mean") -> dict:
             "slope": slope, "trend_t": slope / (math.sqrt(residual / sxx) or 1e-12)}
 
 
+def rollout_mismatch(rows: list[dict]) -> dict | None:
+    """The engine's log-probabilities against the trainer's over a run: the iterations' mean |delta| and KL
+    averaged, the largest |delta| of any; None for a run without the trainer's measurements."""
+    rows = [r for r in rows if "logprob_diff_max" in r]
+    if not rows:
+        return None
+    return {"logprob_diff_mean": sum(r["logprob_diff_mean"] for r in rows) / len(rows),
+            "logprob_diff_max": max(r["logprob_diff_max"] for r in rows),
+            "logprob_kl": sum(r["logprob_kl"] for r in rows) / len(rows)}
+
+
 def layout_time(timeline: list[dict]) -> dict:
     """Seconds each pod spent in each layout while it had requests, and its regroups (epoch changes)."""
     out: dict[str, dict] = {}
@@ -323,6 +334,7 @@ def write(run_dir: Path, job: RLHFJob, outcome: dict, fixed: Mapping[int, tuple[
         "layouts": layout_time(timeline),
         "learning": learning(rows),
         "learning_score": learning(rows, "score_mean"),  # the reward function alone, without length shaping
+        "rollout_mismatch": rollout_mismatch(rows),
         "per_iteration": rows,
         "plots": plots(run_dir, rows, timeline, fixed_runs),
     }
@@ -344,6 +356,9 @@ def write(run_dir: Path, job: RLHFJob, outcome: dict, fixed: Mapping[int, tuple[
             print(f"{name}: first {lr['iterations_compared']} iterations {lr['first_reward_mean']:.3f} -> last "
                   f"{lr['last_reward_mean']:.3f} ({lr['gain']:+.3f}, {lr['z']:.1f} standard errors); trend "
                   f"{lr['slope']:+.4f} per iteration ({lr['trend_t']:.1f} standard errors)")
+    if (m := summary["rollout_mismatch"]) is not None:
+        print(f"engine vs trainer log-probabilities: mean |delta| {m['logprob_diff_mean']:.2e}, max |delta| "
+              f"{m['logprob_diff_max']:.2e}, KL {m['logprob_kl']:.2e} (over all iterations)")
     busy = {pod: {k: round(v, 2) for k, v in d["busy_seconds_by_layout"].items()}
             for pod, d in summary["layouts"].items()}
     print(f"adaptive TP: {summary['regroups']} regroups; seconds generating per layout: {busy}")

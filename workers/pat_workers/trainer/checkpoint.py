@@ -4,8 +4,12 @@ cursor, extra: the same on every rank, written by rank 0).
 
 Every rank writes into one temporary folder in root; when all have finished, rank 0 fsyncs it and renames it
 into place: a crash leaves either a whole checkpoint or none (plus a temp folder that latest() ignores and the
-next save() deletes). DCP reshards on load, so a checkpoint written by N ranks resumes on M. With several
+next save deletes). DCP reshards on load, so a checkpoint written by N ranks resumes on M. With several
 trainer pods, root must be storage every pod sees (a ReadWriteMany volume).
+
+The trainer saves with a Checkpointer: training waits only while each rank copies its shards to CPU memory;
+the files are written, and the folder renamed, in the background. save() writes the same folder and returns
+once it is in place.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import random
 import re
 import shutil
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,34 +49,98 @@ def _checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def save(root: str | Path, iteration: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-         state: dict[str, Any], keep: int) -> Path:
-    """Writes root/iter-{iteration:06d} atomically and deletes all but the newest `keep` checkpoints. Every rank
-    calls it (a collective). `state` holds plain Python values and tensors (load() unpickles nothing else)."""
+def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What DCP writes and reads: views of this rank's shards, no copies."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def _paths(root: Path, iteration: int) -> tuple[Path, Path]:
+    """The checkpoint of `iteration` and the temp folder it is written into."""
+    name = f"iter-{iteration:06d}"
+    return root / name, root / (TEMP_PREFIX + name)
+
+
+def _begin(root: Path, iteration: int, state: dict[str, Any], keep: int) -> Path:
+    """Every rank, before writing a checkpoint: rank 0 deletes crash leftovers and writes state.pt into a new temp
+    folder. Returns the temp folder."""
     if keep < 1:
         raise ValueError(f"keep={keep}: keep at least the checkpoint just written (checkpoint.keep >= 1)")
-    root, rank = Path(root), dist.get_rank()
-    final, temp = root / f"iter-{iteration:06d}", root / f"{TEMP_PREFIX}iter-{iteration:06d}"
-    if rank == 0:
+    _, temp = _paths(root, iteration)
+    if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         for leftover in root.glob(TEMP_PREFIX + "*"):  # one writer group at a time: these are crash leftovers
             shutil.rmtree(leftover)
-    dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temp)  # fsyncs its files
-    dist.barrier()  # DCP's .metadata is written once every rank's shards are
-    if rank == 0:
+        temp.mkdir()
         torch.save({"iteration": iteration, **state}, temp / STATE_FILE)
-        _fsync(temp / STATE_FILE)
-        _fsync(temp)
-        if final.exists():  # written before by a run that restarted from an older checkpoint: replace it whole
-            shutil.rmtree(final)
-        os.replace(temp, final)
-        _fsync(root)
-        for _, old in _checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
+    dist.barrier()  # no rank writes into a folder that rank 0 is still clearing
+    return temp
+
+
+def _complete(root: Path, iteration: int, keep: int) -> None:
+    """Rank 0, once DCP has written every rank's shards (fsynced) and then its .metadata: moves the temp folder
+    into place and deletes all but the newest `keep` checkpoints."""
+    final, temp = _paths(root, iteration)
+    _fsync(temp / STATE_FILE)
+    _fsync(temp)
+    if final.exists():  # written before by a run that restarted from an older checkpoint: replace it whole
+        shutil.rmtree(final)
+    os.replace(temp, final)
+    _fsync(root)
+    for _, old in _checkpoints(root)[:-keep]:
+        shutil.rmtree(old)
+
+
+def save(root: str | Path, iteration: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+         state: dict[str, Any], keep: int) -> Path:
+    """Writes root/iter-{iteration:06d} atomically, deletes all but the newest `keep` checkpoints and returns once
+    the new one is in place. Every rank calls it (a collective). `state` holds plain Python values and tensors
+    (load() unpickles nothing else)."""
+    root = Path(root)
+    temp = _begin(root, iteration, state, keep)
+    dcp.save(_sharded_state(model, optimizer), checkpoint_id=temp)  # on rank 0 it returns after every rank's write
+    if dist.get_rank() == 0:
+        _complete(root, iteration, keep)
     dist.barrier()
-    return final
+    return _paths(root, iteration)[0]
+
+
+class Checkpointer:
+    """Writes the checkpoints of root in the background. save() returns once every rank has copied its shards to
+    CPU memory (the next optimizer step may then change them); a thread writes the files and, on rank 0, moves the
+    folder into place once every rank's are written: until then latest() returns the checkpoint before. Every rank
+    makes the same calls in the same order; one save at a time (save() first waits for the one before)."""
+
+    def __init__(self, root: str | Path, keep: int):
+        self.root, self.keep = Path(root), keep
+        # DCP's collectives run in the writing thread while training's run in this one: a group of their own keeps
+        # them apart. Gloo: async_save needs a CPU backend (what it writes is in CPU memory by then).
+        self.group = dist.new_group(backend="gloo")
+        self.completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self.pending: Future[None] | None = None
+
+    def save(self, iteration: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+             state: dict[str, Any]) -> None:
+        """Starts writing root/iter-{iteration:06d}. `state` as save()'s: written before this returns."""
+        self.wait()
+        temp = _begin(self.root, iteration, state, self.keep)
+        # The default stager copies every tensor to CPU memory before async_save returns.
+        written = dcp.async_save(_sharded_state(model, optimizer), checkpoint_id=temp, process_group=self.group)
+        self.pending = self.completer.submit(self._finish, written, iteration)
+
+    def _finish(self, written: Future, iteration: int) -> None:
+        written.result()  # on rank 0: every rank's shards and the .metadata are written
+        if dist.get_rank() == 0:
+            _complete(self.root, iteration, self.keep)
+
+    def wait(self) -> None:
+        """Returns once the checkpoint being written is in place (at once if none is); raises what failed. Every
+        rank calls it (a collective)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.result()
+        dist.barrier()  # rank 0 renames: in place for every rank once it has
 
 
 def latest(root: str | Path) -> Path | None:
@@ -84,9 +153,9 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
     """Loads the sharded model and optimizer into `model` and `optimizer` (every rank; any world size) and
     returns the state dict saved with them (iteration, ...)."""
     path = Path(path)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    sharded = _sharded_state(model, optimizer)
+    dcp.load(sharded, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"])
     return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
 
 

@@ -1,5 +1,9 @@
 """Problems (prompt, reference answer) from a JSONL/Parquet file or generated, the prompt sampler, and a BPE
-tokenizer trained on the dataset's text."""
+tokenizer trained on the dataset's text.
+
+A prompt is text or a list of chat messages {role, content} (verl's `prompt` column); trainer/prompts.py renders
+either into what the generators receive. Field names are paths: `reward_model.ground_truth` is the field
+ground_truth of the object (JSONL) or struct column (Parquet) reward_model."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import json
 import math
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,22 +25,24 @@ SUFFIX_FORMATS = {".jsonl": "jsonl", ".parquet": "parquet"}
 LONG_TAIL_SAMPLES = 64
 SHORTEST = 2  # tokens of a short drawn response: room for "#### 7"
 TO_THE_CAP = 1 << 31  # a drawn length beyond any maxResponseTokens: the trainer cuts it there
+Messages = tuple[dict[str, str], ...]  # chat messages, each {"role": ..., "content": ...}
 
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str
+    prompt: str | Messages
     answer: str
     # Sample g generates exactly lengths[g % len] tokens (dataset.lengthField, synthetic.longTail); None: to EOS
     lengths: tuple[int, ...] | None = None
 
 
 def load_problems(spec: Dataset, base_dir: str | Path | None = None) -> list[Problem]:
-    """The problems of dataset.path (resolved against `base_dir` when relative) or dataset.synthetic, each
-    prompt passed through dataset.promptTemplate."""
+    """The problems of dataset.path (resolved against `base_dir` when relative) or dataset.synthetic, each text
+    prompt passed through dataset.promptTemplate (chat messages are kept as they are)."""
     problems = synthetic_arithmetic(spec.synthetic) if spec.synthetic is not None else _read_file(spec, base_dir)
     # str.replace, not str.format: templates of math prompts are full of LaTeX braces.
-    return [Problem(spec.prompt_template.replace("{prompt}", p.prompt), p.answer, p.lengths) for p in problems]
+    return [replace(p, prompt=spec.prompt_template.replace("{prompt}", p.prompt)) if isinstance(p.prompt, str)
+            else p for p in problems]
 
 
 def _read_file(spec: Dataset, base_dir: str | Path | None) -> list[Problem]:
@@ -74,17 +80,44 @@ def _parquet_records(path: Path, spec: Dataset) -> Iterator[tuple[str, dict[str,
     import pyarrow.parquet as pq
 
     try:
-        columns = pq.read_schema(path).names
+        schema = pq.read_schema(path)
     except pa.ArrowException as e:
         raise ValueError(f"dataset.path={spec.path!r}: {path} is not a readable Parquet file ({e})") from None
+    columns = _paths(_schema_tree(schema))
     fields = _fields(spec)
     for option, field in fields:
         if field not in columns:
             raise ValueError(f"{path}: no column {field!r} (columns: {columns}); set dataset.{option} to the "
-                             "column that holds it")
-    table = pq.read_table(path, columns=[field for _, field in fields])
+                             "column that holds it (a.b: the field b of the struct column a)")
+    # Whole top-level columns: _lookup walks into their structs, as into a JSON object's.
+    table = pq.read_table(path, columns=list(dict.fromkeys(field.split(".")[0] for _, field in fields)))
     for row, record in enumerate(table.to_pylist()):
         yield f"{path} row {row}", record
+
+
+def _schema_tree(fields: Iterable[Any]) -> dict[str, Any]:
+    """A Parquet schema (or struct type) as nested dicts: each column's name, over its fields if it is a struct."""
+    import pyarrow as pa
+
+    return {f.name: _schema_tree(f.type) if pa.types.is_struct(f.type) else None for f in fields}
+
+
+def _paths(record: dict[str, Any], prefix: str = "") -> list[str]:
+    """The field paths of a record in order: each key, and key.child for the fields of an object under it."""
+    paths = []
+    for key, value in record.items():
+        paths.append(prefix + key)
+        if isinstance(value, dict):
+            paths += _paths(value, f"{prefix}{key}.")
+    return paths
+
+
+def _lookup(record: dict[str, Any], path: str) -> Any:
+    """The value at a dotted field path (reward_model.ground_truth); None where the path leads nowhere."""
+    value: Any = record
+    for key in path.split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
 
 
 def _fields(spec: Dataset) -> list[tuple[str, str]]:
@@ -95,10 +128,11 @@ def _fields(spec: Dataset) -> list[tuple[str, str]]:
 def _problem(record: dict[str, Any], where: str, spec: Dataset) -> Problem:
     values = []
     for option, field in _fields(spec):
-        if record.get(field) is None:
-            raise ValueError(f"{where}: field {field!r} is missing or null (fields: {sorted(record)}); set "
+        value = _lookup(record, field)
+        if value is None:
+            raise ValueError(f"{where}: field {field!r} is missing or null (fields: {sorted(_paths(record))}); set "
                              f"dataset.{option} to the field that holds it")
-        values.append(record[field])
+        values.append(value)
     lengths = None
     if spec.length_field:
         value = values.pop()
@@ -106,7 +140,26 @@ def _problem(record: dict[str, Any], where: str, spec: Dataset) -> Problem:
         if not lengths or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in lengths):
             raise ValueError(f"{where}: field {spec.length_field!r} is {value!r}; dataset.lengthField must hold a "
                              f"whole number of tokens (1 or more), or a list of them (one per sample)")
-    return Problem(*(str(v) for v in values), lengths)  # numeric answers (JSON numbers) compare as text
+    prompt, answer = values
+    return Problem(_prompt(prompt, where, spec), str(answer), lengths)  # numeric answers compare as text
+
+
+def _prompt(value: Any, where: str, spec: Dataset) -> str | Messages:
+    """Text (a number becomes text), or chat messages, which a chat template renders."""
+    field = spec.prompt_field
+    if isinstance(value, str | int | float):
+        return str(value)
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: field {field!r} is a {type(value).__name__}; dataset.promptField must hold "
+                         "text or a list of chat messages [{role, content}, ...]")
+    if spec.prompt_template != "{prompt}":
+        raise ValueError(f"{where}: field {field!r} holds chat messages, and dataset.promptTemplate applies to text "
+                         "prompts only; leave dataset.promptTemplate out (put the instruction into the messages)")
+    if value and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                     for m in value):
+        return tuple({"role": m["role"], "content": m["content"]} for m in value)
+    raise ValueError(f"{where}: field {field!r} is {value!r:.300}; chat messages must be a non-empty list of "
+                     "{role: text, content: text}, e.g. [{role: user, content: 'What is 2+3?'}]")
 
 
 def synthetic_arithmetic(spec: SyntheticDataset) -> list[Problem]:

@@ -58,13 +58,34 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str,
     raise ValueError(f"aggregation={aggregation!r} is unknown; use one of {AGGREGATIONS}")
 
 
+def tis_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al., 2025): per token min(pi_old / pi_engine, cap), the weight that
+    corrects a rollout sampled by the engine for the trainer's own pi_old. No gradient flows through it."""
+    log_ratio = (old_logprobs - engine_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(log_ratio).clamp(max=cap).detach()
+
+
+def mismatch_sums(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor
+                  ) -> dict[str, float]:
+    """How far the engine's sampled-token log-probabilities are from the trainer's, over the masked tokens: the sum
+    of |d|, the largest |d| and the sum of k3 = exp(d) - d - 1, with d = trainer - engine: on tokens the engine
+    sampled, k3 is an unbiased, non-negative estimate of KL(engine || trainer). Sums, so that micro-batches and
+    ranks add up; divide by the token count for means."""
+    d = (trainer_logprobs - engine_logprobs)[mask.bool()].double()
+    k3 = torch.exp(d.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)) - d.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO) - 1
+    return {"abs_sum": d.abs().sum().item(), "abs_max": d.abs().max().item() if d.numel() else 0.0,
+            "k3_sum": k3.sum().item()}
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, *, clip_ratio: float, ref_logprobs: torch.Tensor | None = None,
                 kl_coef: float = 0.0, aggregation: str = "token-mean", max_response_tokens: int | None = None,
-                totals: tuple[float, float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO's clipped surrogate per token, max(-A r, -A clip(r, 1-c, 1+c)) with r = exp(logprobs - old), plus
-    kl_coef * k3 (exp(ref - new) - (ref - new) - 1, an unbiased, non-negative KL(new || ref) estimate) when
-    kl_coef > 0, aggregated over the masked tokens. `advantages` is [N] (one per sequence) or [N, T].
+                totals: tuple[float, float] | None = None, token_weights: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped surrogate per token, max(-A r, -A clip(r, 1-c, 1+c)) with r = exp(logprobs - old), times
+    `token_weights` when given (tis_weights), plus kl_coef * k3 (exp(ref - new) - (ref - new) - 1, an unbiased,
+    non-negative KL(new || ref) estimate) when kl_coef > 0, aggregated over the masked tokens. `advantages` is [N]
+    (one per sequence) or [N, T].
 
     A batch that is one part of a larger one (a micro-batch on one rank) passes the whole batch's totals =
     (response tokens, sequences): its loss is then its share, and the parts' losses (and gradients) sum to the
@@ -76,7 +97,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs (the frozen reference policy's log-probabilities "
                          "of the response tokens); pass them or set kl_coef=0")
-    for name, t in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs)):
+    for name, t in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs),
+                    ("token_weights", token_weights)):
         if t is not None and t.shape != logprobs.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; it must match logprobs {tuple(logprobs.shape)}")
     if advantages.dim() == 1:
@@ -85,6 +107,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
     pg_per_token = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        pg_per_token = pg_per_token * token_weights
     per_token = pg_per_token
     kl_per_token = None
     if ref_logprobs is not None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import aiohttp
 import torch
 import torch.distributed as dist
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -38,18 +38,18 @@ from pat_operator.podapi import Completion, RolloutBatch, RolloutRequest, Sampli
 from pat_operator.podclient import PodClient
 
 from ..affinity import TRAINER_CPUS, pin
-from ..engine.loader import load_tokenizer
 from ..report import read_jsonl
 from ..turns import Turn
 from ..weightsync import DeviceSender, WeightSender, handover_address
-from . import checkpoint, data, grpo
+from . import batching, checkpoint, data, grpo
 from .policy import Policy, full_weights, sharded_policy
+from .prompts import load_prompts
 from .rewards import load_reward, overlong_penalty
 
 MASK63 = (1 << 63) - 1
 # Training stats summed over micro-batches and ranks: loss and pg_loss as shares of the mini-batch's loss, the
 # others per token (divided by the mini-batch's response tokens).
-SUMMED_STATS = ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean", "entropy", "logprob_gap")
+SUMMED_STATS = ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean", "entropy")
 READY_TIMEOUT_S = 900  # generator pods load and profile the model before they are ready
 
 
@@ -86,7 +86,14 @@ class TrainerMetrics:
             ("kl", names.TRAINER_KL, "KL to the reference policy"),
             ("entropy", names.TRAINER_ENTROPY, "mean token entropy of the policy on its responses"),
             ("policy_version", names.TRAINER_POLICY_VERSION, "policy version the generators hold"),
+            ("logprob_diff_mean", names.TRAINER_ROLLOUT_LOGPROB_DIFF_MEAN,
+             "mean |engine - trainer| log-probability of the last iteration's response tokens"),
+            ("logprob_diff_max", names.TRAINER_ROLLOUT_LOGPROB_DIFF_MAX,
+             "largest |engine - trainer| log-probability of the last iteration's response tokens"),
+            ("logprob_kl", names.TRAINER_ROLLOUT_KL, "k3 estimate of KL(engine || trainer) on the last iteration"),
         )}
+        self.reward_failures = Counter(names.TRAINER_REWARD_FAILURES, "responses scored 0 because the reward "
+                                       "function raised or ran past reward.timeoutSeconds", registry=self.registry)
         if port:
             start_http_server(port, addr=host, registry=self.registry)
 
@@ -96,6 +103,7 @@ class TrainerMetrics:
             self.phase.labels(phase).set(seconds)
         for key, gauge in self.scalars.items():
             gauge.set(row[key])
+        self.reward_failures.inc(row["reward_failures"])
 
 
 class Trainer:
@@ -116,8 +124,11 @@ class Trainer:
         # Bitwise reproducible training (a resumed run equals an uninterrupted one): on CPU the embedding and
         # gather backward otherwise accumulate in a thread-dependent order (~1e-8 per step); cuBLAS needs a
         # fixed workspace for the same.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        if deterministic_training(spec.trainer.deterministic, self.device):
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            if self.device.type == "cuda":  # no NaN-filling of every new tensor: training reads none unwritten
+                torch.utils.deterministic.fill_uninitialized_memory = False
         torch.manual_seed(self.alg.seed)
         mesh = init_device_mesh(self.device.type, (self.world,))
         trainer = spec.trainer
@@ -128,8 +139,9 @@ class Trainer:
         # The reference is the initial policy (the model directory), also after a resume.
         self.reference = build(False) if self.alg.kl_coef > 0 else None
         self.optimizer = adamw(self.policy, self.alg, self.device)
-        self.tokenizer = load_tokenizer(tokenizer_dir or model_dir)
         self.problems = data.load_problems(spec.dataset, base_dir=run_dir)
+        self.prompts = load_prompts(self.problems, tokenizer_dir or model_dir, spec.dataset)
+        self.tokenizer = self.prompts.tokenizer  # decodes the responses for the reward
         self.sampler = data.PromptSampler(len(self.problems), self.alg.seed)
         self.reward = load_reward(spec.reward)
         self.iteration = 0
@@ -145,6 +157,7 @@ class Trainer:
             self.sender: WeightSender | None = None
             self.turn = Turn.from_env()  # `pat run --baseline`: the variants take turns, an iteration each
             (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
+        self.checkpointer = checkpoint.Checkpointer(self.ckpt_dir, spec.checkpoint.keep)
         self._resume()
 
     # -- set-up ------------------------------------------------------------------------------------------
@@ -179,6 +192,7 @@ class Trainer:
             if self.rank == 0 and self.turn is not None:
                 self.turn.wait(self.iteration + 1)
             self.step()
+        self.checkpointer.wait()  # the last checkpoint in place: its write needs the process groups
         dist.barrier()
         dist.destroy_process_group()
 
@@ -189,11 +203,13 @@ class Trainer:
         indices = self.sampler.next_batch(self.alg.prompts_per_iteration)
         row: dict = {}
         if self.rank == 0:
-            prompts = [self.tokenizer.encode(self.problems[index].prompt).ids for index in indices]
+            prompts = [self.prompts.render(index).token_ids for index in indices]
             completions, row = self._generate(it, indices, prompts)
             seconds["generate"] = time.perf_counter() - t
             t = time.perf_counter()
+            failures = self.reward.failures
             rollouts, row["score_mean"] = self._score(indices, prompts, completions)
+            row["reward_failures"] = self.reward.failures - failures
             seconds["reward"] = time.perf_counter() - t
         else:
             rollouts = None
@@ -366,8 +382,16 @@ class Trainer:
         return int(flag.item())
 
     def _checkpoint(self, it: int) -> None:
-        checkpoint.save(self.ckpt_dir, it, self.policy, self.optimizer, keep=self.spec.checkpoint.keep,
-                        state={"rng": checkpoint.rng_state(), "sampler": self.sampler.state_dict()})
+        """Waits for the checkpoint before to be written and copies this one to CPU memory; the next iterations
+        run while it is written."""
+        self.checkpointer.save(it, self.policy, self.optimizer,
+                               state={"rng": checkpoint.rng_state(), "sampler": self.sampler.state_dict()})
+
+
+def deterministic_training(requested: bool | None, device: torch.device) -> bool:
+    """Whether the trainer uses torch's deterministic algorithms: as trainer.deterministic says, by default on CPU
+    only (on GPUs they are slower, and the flash-attention backward has none: torch only warns)."""
+    return device.type == "cpu" if requested is None else requested
 
 
 def check_device_memory(spec: RLHFJobSpec, model_dir: Path, device: torch.device) -> None:
@@ -395,44 +419,43 @@ def adamw(policy: Policy, alg: Algorithm, device: torch.device) -> torch.optim.A
                              fused=device.type == "cuda")
 
 
-def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices of sequences of `lengths` (prompt + response tokens) grouped so that each group, right-padded,
-    holds at most `budget` tokens (rows x longest row): longest first, each group filled while it fits. A
-    sequence longer than the budget goes alone (the spec keeps maxTokensPerMicroBatch >= generator.maxSeq)."""
-    groups: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
 def train_iteration(model: Policy, reference: Policy | None, optimizer: torch.optim.Optimizer,
                     rollouts: list[Rollout], alg: Algorithm, rank: int, world: int,
                     device: torch.device) -> dict[str, float]:
-    """One optimizer step per mini-batch (every miniBatches-th rollout). Rank r takes every world-th sequence of
-    a mini-batch and splits it into micro-batches (`micro_batches`), accumulating gradients. Each micro-batch's
-    loss is its share of the whole mini-batch's (grpo.policy_loss with the mini-batch's totals) times the world
-    size (FSDP averages the ranks' gradients), so the step equals one process's step on the unsplit mini-batch.
-    Every rank runs as many micro-batches as the busiest (FSDP's collectives pair them up): a rank with fewer
-    runs zero-weight passes. Returns the stats averaged over the mini-batches, over all ranks' tokens."""
+    """One optimizer step per mini-batch (every miniBatches-th rollout). A mini-batch's sequences are split across
+    the ranks and each rank's share into micro-batches of at most maxTokensPerMicroBatch tokens, all balanced by
+    tokens (batching.micro_batch_plan), each micro-batch one packed row; gradients accumulate over them. Each
+    micro-batch's loss is its share of the whole mini-batch's (grpo.policy_loss with the mini-batch's totals) times
+    the world size (FSDP averages the ranks' gradients), so the step equals one process's step on the unsplit
+    mini-batch. Every rank runs as many micro-batches as the others (FSDP's collectives pair them up): an empty one
+    is a zero-weight pass.
+
+    pi_old is the policy's own log-probabilities before the first step (algorithm.oldLogprobs trainer, recomputed
+    by old_logprobs) or the engine's (engine). Returns the stats averaged over the mini-batches, over all ranks'
+    tokens, and how far the engine's log-probabilities are from the trainer's pi_old (logprob_diff_mean,
+    logprob_diff_max, logprob_kl: k3, an estimate of KL(engine || trainer)) over every rollout; with engine's
+    pi_old, over the first mini-batch as the first forward scores it, before any step."""
+    budget, recompute = alg.max_tokens_per_micro_batch, alg.old_logprobs == "trainer"
+    minis = [list(range(m, len(rollouts), alg.mini_batches)) for m in range(alg.mini_batches)]
+    plans = [batching.micro_batch_plan([len(rollouts[i].prompt) + len(rollouts[i].response) for i in mini], world,
+                                       budget)[rank] for mini in minis]
+    passes = [[[mini[j] for j in part] for part in plan] for mini, plan in zip(minis, plans)]  # rollout indices
+    filler = [min(rollouts, key=lambda r: len(r.prompt) + len(r.response))]  # what a zero-weight pass runs
+    recomputed = old_logprobs(model, rollouts, [p for parts in passes for p in parts], filler, device) \
+        if recompute else {}
     totals: dict[str, float] = defaultdict(float)
-    for m in range(alg.mini_batches):
-        mini = rollouts[m::alg.mini_batches]
-        shares = [mini[r::world] for r in range(world)]
-        plans = [micro_batches([len(x.prompt) + len(x.response) for x in share], alg.max_tokens_per_micro_batch)
-                 for share in shares]
-        mine = shares[rank]
-        plan = plans[rank] + [[]] * (max(map(len, plans)) - len(plans[rank]))
-        scale = (float(sum(len(x.response) for x in mini)), float(len(mini)))
+    mismatch: dict[str, float] = defaultdict(float)
+    for m, mini in enumerate(minis):
+        scale = (float(sum(len(rollouts[i].response) for i in mini)), float(len(mini)))
         sums: dict[str, float] = defaultdict(float)
         optimizer.zero_grad(set_to_none=True)
-        for part in plan:
-            chunk = [mine[j] for j in part] or mine[:1]
+        for part in passes[m]:
+            chunk = [rollouts[i] for i in part] or filler
             tokens, prompt_lens, response_lens = _pack(chunk, device)
             out = model(tokens, prompt_lens, response_lens)
-            old = _pad([x.logprobs for x in chunk], out.logprobs.shape[1], device)
+            width = out.logprobs.shape[1]
+            engine = _pad([x.logprobs for x in chunk], width, device)
+            old = _pad([recomputed[i] for i in part], width, device) if recompute and part else engine
             ref = None
             if reference is not None:
                 with torch.no_grad():
@@ -440,7 +463,8 @@ def train_iteration(model: Policy, reference: Policy | None, optimizer: torch.op
             loss, stats = grpo.policy_loss(
                 out.logprobs, old, torch.tensor([x.advantage for x in chunk], device=device), out.mask,
                 clip_ratio=alg.clip_ratio, ref_logprobs=ref, kl_coef=alg.kl_coef, aggregation=alg.loss_aggregation,
-                max_response_tokens=alg.max_response_tokens, totals=scale)
+                max_response_tokens=alg.max_response_tokens, totals=scale,
+                token_weights=grpo.tis_weights(old, engine, alg.tis_cap) if alg.rollout_correction == "tis" else None)
             (loss * (world if part else 0.0)).backward()
             if part:
                 n = out.mask.sum().item()
@@ -449,9 +473,8 @@ def train_iteration(model: Policy, reference: Policy | None, optimizer: torch.op
                 for key in ("kl", "clip_fraction", "ratio_mean"):
                     sums[key] += stats[key] * n
                 sums["entropy"] += out.entropy.sum().item()
-                if m == 0:  # before the first step the trainer's weights are the engine's: how far the engine's
-                    # logprobs are from the trainer's checks the weight sync
-                    sums["logprob_gap"] += ((out.logprobs.detach() - old).abs() * out.mask).sum().item()
+                if recompute or m == 0:  # engine's pi_old: the trainer's weights are the engine's before a step
+                    _add_mismatch(mismatch, old if recompute else out.logprobs.detach(), engine, out.mask)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), alg.grad_clip)
         optimizer.step()
         # Summed over all ranks in one fixed order (a rank may have had no sequence to add to some).
@@ -460,28 +483,57 @@ def train_iteration(model: Policy, reference: Policy | None, optimizer: torch.op
             dist.all_reduce(values)
         for key, value in zip(SUMMED_STATS, values.tolist()):
             value = value if key in ("loss", "pg_loss") else value / scale[0]  # the others: token means
-            if key != "logprob_gap":
-                totals[key] += value / alg.mini_batches
-            elif m == 0:
-                totals[key] = value
+            totals[key] += value / alg.mini_batches
         totals["grad_norm"] += (norm.full_tensor() if isinstance(norm, DTensor) else norm).item() / alg.mini_batches
-    return dict(totals)
+    return {**totals, **_mismatch_stats(mismatch, world, device)}
 
 
-def _pad(rows: list[list[float]], width: int, device: torch.device) -> torch.Tensor:
+@torch.no_grad()
+def old_logprobs(model: Policy, rollouts: list[Rollout], micro_batches: list[list[int]], filler: list[Rollout],
+                 device: torch.device) -> dict[int, torch.Tensor]:
+    """pi_old of the rollouts in `micro_batches` (indices into `rollouts`), by index: the policy's log-probabilities
+    of each response token, scored in the packed micro-batches training runs (the same token budget, the lm_head a
+    chunk at a time); an empty micro-batch runs `filler`, the forward FSDP's collectives pair with the others'."""
+    old = {}
+    for part in micro_batches:
+        out = model(*_pack([rollouts[i] for i in part] or filler, device))
+        for row, i in enumerate(part):
+            old[i] = out.logprobs[row, :len(rollouts[i].response)]
+    return old
+
+
+def _add_mismatch(acc: dict[str, float], trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> None:
+    sums = grpo.mismatch_sums(trainer, engine, mask)
+    acc["abs_sum"] += sums["abs_sum"]
+    acc["k3_sum"] += sums["k3_sum"]
+    acc["abs_max"] = max(acc["abs_max"], sums["abs_max"])
+    acc["tokens"] += mask.sum().item()
+
+
+def _mismatch_stats(acc: dict[str, float], world: int, device: torch.device) -> dict[str, float]:
+    """The token means and the largest difference over all ranks' tokens."""
+    sums = torch.tensor([acc["abs_sum"], acc["k3_sum"], acc["tokens"]], dtype=torch.float64, device=device)
+    largest = torch.tensor([acc["abs_max"]], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(sums)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    abs_sum, k3_sum, tokens = sums.tolist()
+    return {"logprob_diff_mean": abs_sum / max(tokens, 1), "logprob_diff_max": largest.item(),
+            "logprob_kl": k3_sum / max(tokens, 1)}
+
+
+def _pad(rows: list, width: int, device: torch.device) -> torch.Tensor:
+    """Rows of per-token values (lists or tensors) right-padded with 0 to [len(rows), width]."""
     out = torch.zeros(len(rows), width, device=device)
     for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.tensor(row)
+        out[i, :len(row)] = torch.as_tensor(row)
     return out
 
 
 def _pack(rollouts: list[Rollout], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+response rows, with each row's prompt and response lengths."""
-    width = max(len(r.prompt) + len(r.response) for r in rollouts)
-    tokens = torch.zeros(len(rollouts), width, dtype=torch.long, device=device)
-    for i, r in enumerate(rollouts):
-        seq = r.prompt + r.response
-        tokens[i, :len(seq)] = torch.tensor(seq)
+    """The rollouts' prompt + response tokens packed into one row [T], with each one's prompt and response
+    lengths (Policy.forward)."""
+    tokens = torch.tensor([t for r in rollouts for t in r.prompt + r.response], device=device)
     prompt_lens = torch.tensor([len(r.prompt) for r in rollouts], device=device)
     response_lens = torch.tensor([len(r.response) for r in rollouts], device=device)
     return tokens, prompt_lens, response_lens

@@ -1,8 +1,11 @@
 """The trained policy: a model directory's weights as torch Parameters, computed with the engine's layer maths.
 
 One model implementation serves generation and training: each transformer block here runs engine/model.py's
-functions (attention inputs, SwiGLU) over its own Parameters, with causal scaled_dot_product_attention (flash on
-GPUs) instead of the engine's KV cache, so what the trainer optimises is what the generator samples.
+functions (attention inputs, SwiGLU) over its own Parameters, with causal attention over the sequences instead of
+the engine's KV cache, so what the trainer optimises is what the generator samples.
+
+The sequences of a micro-batch are packed into one row, no padding: each attends to itself only, its positions
+restart at 0 (`packed_attention`).
 
 For training at scale the policy is sharded with FSDP2 (`sharded_policy`): `fully_shard` per block and at the
 root, each block optionally recomputing its activations in the backward pass; the log-probabilities are
@@ -11,6 +14,7 @@ computed a chunk of tokens at a time (`token_logprobs`), so no [tokens, vocab] l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -21,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from pat_operator.fit import LOSS_CHUNK_TOKENS
@@ -36,6 +41,43 @@ class ResponseLogprobs(NamedTuple):
     entropy: torch.Tensor  # [B, R]: next-token entropy at each response token (detached, for logging); 0 past
 
 
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# FlexAttention runs compiled or not at all (uncompiled it materialises every score). Compiled once per shape;
+# torch marks the packed row's length dynamic when it first changes, so a second compile serves every length.
+_flex_attention = torch.compile(flex_attention)
+_block_mask = torch.compile(create_block_mask)
+FLEX_BLOCK = 128  # FlexAttention's block: the packed row is padded to a multiple of it for the kernel
+
+
+def packed_attention(lengths: list[int], device: torch.device, flex: bool) -> Attention:
+    """Causal attention within each of the sequences of `lengths` packed into one row: q [1, heads, T, d], k and v
+    [1, kv_heads, T, d], T = sum(lengths) -> [1, heads, T, d].
+
+    flex (on CUDA): one FlexAttention kernel over the row with a document mask, fully masked blocks skipped. On
+    CPU: causal scaled_dot_product_attention over each sequence's slice, since FlexAttention has no CPU backward
+    ("does not support backward on CPU", torch 2.13), and SDPA over the whole row with a block-diagonal mask
+    computes every score of the row: 8x the time on 4230 tokens of 16 sequences here (docs/benchmarks.md)."""
+    if not flex:
+        def per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return torch.cat([F.scaled_dot_product_attention(*qkv, is_causal=True, enable_gqa=True)
+                              for qkv in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))], 2)
+        return per_sequence
+    total = sum(lengths)
+    padding = -total % FLEX_BLOCK  # a sequence of its own: every query attends to something
+    sequence = torch.repeat_interleave(torch.tensor(lengths + [padding], device=device))
+
+    def same_sequence(b, h, q_idx, kv_idx):
+        return (sequence[q_idx] == sequence[kv_idx]) & (kv_idx <= q_idx)
+
+    mask = _block_mask(same_sequence, None, None, total + padding, total + padding, device=device)
+
+    def document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (F.pad(t, (0, 0, 0, padding)) for t in (q, k, v))
+        return _flex_attention(q, k, v, block_mask=mask, enable_gqa=True)[:, :, :total]
+    return document
+
+
 class Block(torch.nn.Module):
     """model.layers.N: its Parameters are the Hugging Face ones under that prefix (self_attn.q_proj.weight, ...).
     An FSDP2 unit: its parameters are gathered only while it runs."""
@@ -44,18 +86,17 @@ class Block(torch.nn.Module):
         super().__init__()
         self.cfg, self.checkpointing = cfg, checkpointing
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attention) -> torch.Tensor:
         if self.checkpointing and torch.is_grad_enabled():  # keep the input only; recompute the rest backward
-            return checkpoint(self._layer, x, cos, sin, use_reentrant=False)
-        return self._layer(x, cos, sin)
+            return checkpoint(self._layer, x, cos, sin, attend, use_reentrant=False)
+        return self._layer(x, cos, sin, attend)
 
-    def _layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attention) -> torch.Tensor:
         cfg, (b, t, _) = self.cfg, x.shape
         layer = unfused_layer(dict(self.named_parameters()), "")  # read here: FSDP swaps in the gathered weights
         q, k, v = attention_inputs(cfg, layer, rms_norm(x, layer.input_norm, cfg.rms_norm_eps), cos, sin,
                                    cfg.num_heads, cfg.num_kv_heads)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=True, enable_gqa=True)
+        attn = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         x = x + F.linear(attn.transpose(1, 2).reshape(b, t, -1), layer.wo, layer.bo)
         out = mlp(layer, rms_norm(x, layer.post_norm, cfg.rms_norm_eps))
         return x + out if layer.b_down is None else x + out + layer.b_down
@@ -92,29 +133,34 @@ class Policy(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, prompt_lens: torch.Tensor, response_lens: torch.Tensor
                 ) -> ResponseLogprobs:
-        """Scores rows [B, L] of prompt + response tokens, right-padded; R = max(response_lens). The
-        log-probabilities are of the raw logits (temperature 1), as the engine reports them for sampled tokens."""
-        cfg, (b, length) = self.config, tokens.shape
-        if prompt_lens.shape != (b,) or response_lens.shape != (b,):
-            raise ValueError(f"prompt_lens and response_lens need one entry per row ({b}); got "
-                             f"{tuple(prompt_lens.shape)} and {tuple(response_lens.shape)}")
-        if (prompt_lens < 1).any() or (response_lens < 0).any() or (prompt_lens + response_lens > length).any():
-            raise ValueError(f"each row needs prompt_len >= 1 (a token to predict the first response token from), "
-                             f"response_len >= 0 and prompt_len + response_len <= {length} (the row length)")
-        x = self.model.embed_tokens.weight[tokens]
-        cos, sin = rope_tables(cfg, length, tokens.device, x.dtype)
-        cos, sin = cos[:, None], sin[:, None]  # [L, 1, d] against [B, L, heads, d]
+        """Scores B sequences of prompt + response tokens packed into one row, tokens [T] with T the sum of their
+        lengths; R = max(response_lens). The log-probabilities are of the raw logits (temperature 1), as the engine
+        reports them for sampled tokens."""
+        cfg, device = self.config, tokens.device
+        if tokens.dim() != 1 or prompt_lens.dim() != 1 or prompt_lens.shape != response_lens.shape:
+            raise ValueError(f"tokens must be one packed row [T] and prompt_lens, response_lens one entry per "
+                             f"sequence each; got {tuple(tokens.shape)}, {tuple(prompt_lens.shape)} and "
+                             f"{tuple(response_lens.shape)}")
+        lengths = prompt_lens + response_lens
+        if (prompt_lens < 1).any() or (response_lens < 0).any() or int(lengths.sum()) != len(tokens):
+            raise ValueError(f"each sequence needs prompt_len >= 1 (a token to predict the first response token "
+                             f"from) and response_len >= 0, and the lengths must add up to the row ({len(tokens)})")
+        starts = lengths.cumsum(0) - lengths
+        positions = torch.arange(len(tokens), device=device) - starts.repeat_interleave(lengths)  # 0 per sequence
+        x = self.model.embed_tokens.weight[tokens][None]
+        cos, sin = rope_tables(cfg, int(lengths.max()), device, x.dtype)
+        cos, sin = cos[positions, None], sin[positions, None]  # [T, 1, d] against [1, T, heads, d]
+        attend = packed_attention(lengths.tolist(), device, flex=device.type == "cuda")
         for block in self.blocks:
-            x = block(x, cos, sin)
-        hidden = rms_norm(x, self.model.norm.weight, cfg.rms_norm_eps)
-        offsets = torch.arange(int(response_lens.max()), device=tokens.device)
+            x = block(x, cos, sin, attend)
+        hidden = rms_norm(x[0], self.model.norm.weight, cfg.rms_norm_eps)
+        offsets = torch.arange(int(response_lens.max()), device=device)
         mask = offsets < response_lens[:, None]
-        positions = (prompt_lens[:, None] + offsets).clamp(max=length - 1)  # [B, R]; past the end: masked
-        rows = torch.arange(b, device=tokens.device)[:, None]
+        where = (starts + prompt_lens)[:, None] + offsets  # [B, R]: each response token's place in the row
         # Each response token is predicted one position earlier; only real response tokens reach the lm_head.
         head = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        chosen, entropy = token_logprobs(hidden[rows, positions - 1][mask], head, tokens[rows, positions][mask])
-        logprobs = torch.zeros(mask.shape, dtype=chosen.dtype, device=tokens.device).masked_scatter(mask, chosen)
+        chosen, entropy = token_logprobs(hidden[where[mask] - 1], head, tokens[where[mask]])
+        logprobs = torch.zeros(mask.shape, dtype=chosen.dtype, device=device).masked_scatter(mask, chosen)
         return ResponseLogprobs(logprobs, mask, torch.zeros_like(logprobs).masked_scatter(mask, entropy))
 
 

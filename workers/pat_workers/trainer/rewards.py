@@ -1,88 +1,86 @@
-"""Reward functions: (response text, reference answer) -> float. The built-in math reward and plugins."""
+"""Reward functions: (response text, reference answer) -> float. The built-in math reward and plugins, each called
+through a Grader, which bounds its time and turns its failures into a score of 0."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import logging
+import math
 import re
-from collections.abc import Callable
-from fractions import Fraction
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import ModuleType
 
 from pat_operator.api import Reward
 
 RewardFn = Callable[[str, str], float]
 
+log = logging.getLogger("pat.trainer.reward")
+
 _BOXED = "\\boxed"
 _MARKER = "####"
-_NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
-_THOUSANDS = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d*)?")
-_SLASH_FRACTION = re.compile(r"([-+]?\d+)/([-+]?\d+)")
-_LATEX_FRACTION = re.compile(r"(-?)\\[dt]?frac\{([-+]?\d+)\}\{([-+]?\d+)\}")
-_LEADING_NUMBER = re.compile(r"\$?[-+]?(\d[\d,]*(\.\d+)?(/\d+)?|\.\d+)")
+_LEADING_NUMBER = re.compile(r"\$?([-+]?(\d[\d,]*(\.\d+)?(/\d+)?|\.\d+))")
 
 
-def _last_boxed(text: str) -> tuple[int, str] | None:
-    """(position, content) of the last \\boxed{...}, braces nested; None if absent or unclosed."""
-    start = text.rfind(_BOXED + "{")
-    if start < 0:
+@functools.cache
+def _math_verify() -> ModuleType:
+    """math-verify, imported on first use: it takes half a second (sympy), and the trainer's loop is imported
+    without it too (make gpu-check on a bare machine)."""
+    import math_verify.grader
+    import math_verify.parser
+
+    # Its own timeouts are off: a Grader bounds the whole call (see _alarm). Its one-time warning that nothing
+    # bounds parse and verify then would only mislead.
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+    return math_verify
+
+
+def _parse(latex: str) -> list:
+    """math-verify's reading of the answers in LaTeX text (every final answer reaches it in a \\boxed{})."""
+    math_verify = _math_verify()
+    return math_verify.parse(latex, (math_verify.LatexExtractionConfig(),), parsing_timeout=None)
+
+
+def _boxed(answer: str) -> str:
+    return f"{_BOXED}{{{answer}}}"
+
+
+def _marked_answer(text: str) -> str | None:
+    """What follows the text's last #### (GSM8K's final-answer marker) unless a \\boxed comes after it; None
+    without such a marker. A number right after #### is the answer whatever follows it (GSM8K's "#### 72", a tiny
+    model's "3+4= #### 7 3+1="); otherwise the rest of the line is."""
+    marker = text.rfind(_MARKER)
+    if marker < 0 or text.rfind(_BOXED) > marker:
         return None
-    depth = 0
-    for i in range(start + len(_BOXED), len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return start, text[start + len(_BOXED) + 1:i]
-    return None
+    rest = text[marker + len(_MARKER):].lstrip()
+    number = _LEADING_NUMBER.match(rest)
+    return number[1].rstrip(",") if number else rest.split("\n")[0].strip()
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer: the content of the last \\boxed{...} or what follows the last ####, whichever comes
-    later in the text; None when there is neither. After ####, a number is the answer whatever follows it (as
-    GSM8K graders read "#### 72"); otherwise the rest of the line is."""
-    found = []
-    if (boxed := _last_boxed(text)) is not None:
-        found.append(boxed)
-    if (marker := text.rfind(_MARKER)) >= 0:
-        rest = text[marker + len(_MARKER):].lstrip()
-        number = _LEADING_NUMBER.match(rest)
-        found.append((marker, number[0].rstrip(",") if number else rest.split("\n")[0].strip()))
-    return max(found)[1] if found else None
-
-
-def _normalize(answer: str) -> str:
-    """Spaces, $ and a trailing period dropped (what differs between equal answers only in form)."""
-    return re.sub(r"\s+", "", answer).replace("$", "").rstrip(".")
-
-
-def _value(answer: str) -> Fraction | None:
-    """The exact value of a normalised integer, decimal (commas as thousands separators, leading + or zeros,
-    trailing zeros), a/b or \\frac{a}{b}; None for anything else."""
-    if _THOUSANDS.fullmatch(answer):
-        answer = answer.replace(",", "")
-    if _NUMBER.fullmatch(answer):
-        return Fraction(answer)
-    if (m := _SLASH_FRACTION.fullmatch(answer)) and int(m[2]) != 0:
-        return Fraction(int(m[1]), int(m[2]))
-    if (m := _LATEX_FRACTION.fullmatch(answer)) and int(m[3]) != 0:
-        return Fraction(int(m[2]), int(m[3])) * (-1 if m[1] else 1)
-    return None
-
-
-def answers_match(given: str, expected: str) -> bool:
-    given, expected = _normalize(given), _normalize(expected)
-    given_value, expected_value = _value(given), _value(expected)
-    if given_value is not None and expected_value is not None:
-        return given_value == expected_value
-    return given == expected
+def final_answer(text: str) -> str | None:
+    """The text's final answer for math-verify to read: \\boxed{what follows the last ####} when that comes
+    after every \\boxed{}, else the text itself when it has a \\boxed{} (math-verify reads the boxes); None when it
+    has neither, that is no final answer."""
+    if (marked := _marked_answer(text)) is not None:
+        return _boxed(marked)
+    return text if _BOXED in text else None
 
 
 def math_reward(response: str, answer: str, format_score: float = 0.0) -> float:
-    """1.0 if the response's final answer (last \\boxed{} or ####) equals `answer`, format_score if it has one
-    that differs, 0.0 if it has none. `answer` may itself be a solution ending in \\boxed{} or #### (GSM8K)."""
-    given = extract_answer(response)
-    if given is None:
+    """1.0 if math-verify finds the response's final answer (its last #### or its \\boxed{}) equal to `answer`,
+    format_score if the response has a final answer that math-verify can read but that differs, 0.0 if it has none.
+    `answer` is wrapped in \\boxed{} as verl does, unless it is a solution that ends in \\boxed{} or #### itself
+    (MATH, GSM8K)."""
+    given = final_answer(response)
+    given = _parse(given) if given is not None else []
+    if not given:
         return 0.0
-    expected = extract_answer(answer)
-    return 1.0 if answers_match(given, answer if expected is None else expected) else format_score
+    expected = _parse(final_answer(answer) or _boxed(answer))
+    return 1.0 if _math_verify().verify(expected, given, timeout_seconds=None) else format_score
 
 
 def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float = 1.0) -> float:
@@ -94,13 +92,89 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float =
     return -penalty * min(max(over, 0), buffer) / buffer
 
 
-def load_reward(spec: Reward) -> RewardFn:
-    """The reward named by spec.function: "math" (with spec.format_score) or a plugin "module:function"
-    taking (response, answer) and returning a float."""
+class RewardTimeout(BaseException):
+    """A reward call ran past its time. A BaseException, as math-verify's own TimeoutException: the `except
+    Exception` of a plugin or of math-verify's parse must not swallow it and carry on unbounded."""
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float) -> Iterator[None]:
+    """RewardTimeout raised inside the block after `seconds`, by SIGALRM: a signal interrupts the running Python
+    code (sympy's simplification, a plugin's sleep), where a thread could only be abandoned, still running. Main
+    thread only. A call stuck inside one C function is interrupted when that returns."""
+    def expire(signum, frame):
+        raise RewardTimeout
+
+    handler = signal.signal(signal.SIGALRM, expire)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        finally:  # also when the alarm goes off just before it is cancelled
+            signal.signal(signal.SIGALRM, handler)
+            if outer:  # someone else's alarm was set (pytest-timeout's, say): re-armed with what was left of it
+                signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - started), 1e-6))
+
+
+class Grader:
+    """A reward function as the trainer calls it: a call never raises. A call that raises, runs past
+    timeout_seconds or returns no finite number scores 0 and counts in `failures`; the first failure of each kind
+    is logged (every response may fail alike)."""
+
+    def __init__(self, function: RewardFn, name: str, timeout_seconds: float):
+        self.function, self.name, self.timeout_seconds = function, name, timeout_seconds
+        self.failures = 0
+        self._warned: set[str] = set()
+
+    def __call__(self, response: str, answer: str) -> float:
+        try:
+            with self._deadline():
+                score = float(self.function(response, answer))
+            if not math.isfinite(score):
+                raise ValueError(f"returned {score}, not a finite number")
+            return score
+        except RewardTimeout:
+            return self._failed("timeout", f"ran past reward.timeoutSeconds={self.timeout_seconds}")
+        except Exception as e:
+            return self._failed(type(e).__name__, f"raised {type(e).__name__}: {e}")
+
+    def _deadline(self) -> contextlib.AbstractContextManager[None]:
+        # Signals reach the main thread only (the trainer's loop runs there); elsewhere a call runs unbounded.
+        if threading.current_thread() is threading.main_thread():
+            return _alarm(self.timeout_seconds)
+        self._warn_once("unbounded", f"reward.function={self.name!r} runs without reward.timeoutSeconds outside "
+                        "the main thread: the alarm that bounds it is a signal, which only the main thread receives")
+        return contextlib.nullcontext()
+
+    def _failed(self, kind: str, error: str) -> float:
+        self.failures += 1
+        self._warn_once(kind, f"reward.function={self.name!r} {error}; that response scores 0 (further {kind} "
+                        f"failures are counted, not logged; check the function with `pat reward`)")
+        return 0.0
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(message)
+
+
+def load_reward(spec: Reward) -> Grader:
+    """The reward named by spec.function, "math" (with spec.format_score) or a plugin "module:function" taking
+    (response, answer) and returning a float, in a Grader with spec.timeout_seconds."""
     if spec.function == "math":
-        return functools.partial(math_reward, format_score=spec.format_score)
-    module_name, _, function_name = spec.function.partition(":")
-    where = f"reward.function={spec.function!r}"
+        _math_verify()  # imported here, not in the first timed call
+        function = functools.partial(math_reward, format_score=spec.format_score)
+    else:
+        function = _plugin(spec.function)
+    return Grader(function, spec.function, spec.timeout_seconds)
+
+
+def _plugin(name: str) -> RewardFn:
+    module_name, _, function_name = name.partition(":")
+    where = f"reward.function={name!r}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -109,6 +183,8 @@ def load_reward(spec: Reward) -> RewardFn:
                              "PYTHONPATH") from None
         raise ValueError(f"{where}: module {module_name!r} imports {e.name!r}, which is not installed; "
                          "install it") from e
+    except Exception as e:  # a plugin that fails as it loads stops the run here, not at its first response
+        raise ValueError(f"{where}: importing {module_name!r} raised {type(e).__name__}: {e}; fix the module") from e
     function = getattr(module, function_name, None)
     if function is None:
         raise ValueError(f"{where}: module {module_name!r} has no {function_name!r}; define "
