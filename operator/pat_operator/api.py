@@ -7,13 +7,16 @@ per field, with the field's path (`spec.algorithm.clipRatio`) and what to use in
 
 from __future__ import annotations
 
+import posixpath
 import re
+from collections.abc import Sequence
 from difflib import get_close_matches
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from kubernetes.utils import parse_quantity
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "pat.dev"
@@ -43,6 +46,11 @@ GPU_RESOURCE = "nvidia.com/gpu"
 WORKER_IMAGE = "ghcr.io/pat-rlhf/pat-worker:0.1.0"
 VLLM_WORKER_IMAGE = "ghcr.io/pat-rlhf/pat-worker-vllm:0.1.0"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# A job's name: its Service and its pods' subdomain are named after it, and a Service's name is a DNS-1035 label
+# (a DNS label that starts with a letter: `3d-grpo` or `grpo.v2` would be refused there, after the job was accepted).
+DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_RULE = ("use a DNS label that starts with a letter (lowercase letters, digits and '-', at most 63 characters): "
+             "the job's Service is named after it")
 
 
 class TinyModel(_Model):
@@ -255,6 +263,30 @@ class PodTemplate(_Model):
     node_selector: dict[str, str] = Field({}, description="node labels the pods need")
     tolerations: list[Toleration] = Field([], description="taints the pods tolerate")
     affinity: KubeObject | None = Field(None, description="a Kubernetes Affinity of the pods")
+    shm_size: Quantity = Field("1Gi", description="the size of /dev/shm, a memory-backed emptyDir (sizeLimit), "
+                               "which the default 64 MiB would starve: NCCL's intra-node buffers and the ranks' "
+                               "shared tensors (trainer), the engine ranks' shared-memory communicators on CPU "
+                               "(generator: 16 MiB a rank for each TP size above 1, 384 MiB at 8 ranks). Its pages "
+                               "count against the container's memory (resources.limits.memory, which also caps it), "
+                               "not against ephemeral storage")
+    tmp_size: Quantity = Field("4Gi", description="the sizeLimit of the pod's /tmp emptyDir (HOME: the caches of "
+                               "torch.compile, Triton and vLLM), counted in the ephemeral-storage request the "
+                               "operator adds with the other scratch folders' (the tiny model, the run folder "
+                               "without checkpoint.volume); a resources entry ephemeral-storage replaces that "
+                               "request and the scratch folders' sizeLimits")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> PodTemplate:
+        for name in ("shm_size", "tmp_size"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not re.match(QUANTITY, value) or parse_quantity(value) <= 0:
+                raise ValueError(f"{to_camel(name)}={value!r}: use a positive Kubernetes quantity, e.g. 1Gi")
+        memory = self.resources.limits.get("memory")
+        if "shm_size" in self.model_fields_set and memory is not None and \
+                parse_quantity(self.shm_size) > parse_quantity(memory):
+            raise ValueError(f"shmSize={self.shm_size} is more than resources.limits.memory={memory}: /dev/shm's "
+                             f"pages count against the container's memory limit; lower shmSize or raise the limit")
+        return self
 
     @model_validator(mode="after")
     def _mounts_have_volumes(self) -> PodTemplate:
@@ -501,17 +533,100 @@ class Checkpoint(_Model):
 
 class Scheduling(_Model):
     """How the pods are scheduled."""
-    gang: bool = Field(True, description="schedule all pods of an attempt together (Kueue pod group or Volcano "
-                                         "PodGroup when those are used)")
-    queue_name: str | None = Field(None, pattern=DNS_LABEL, description="Kueue LocalQueue: pods join one pod group")
-    scheduler_name: str | None = Field(None, min_length=1, description="e.g. volcano: a PodGroup with minMember "
-                                       "= all pods is created with the job")
+    gang: bool = Field(True, description="schedule all pods of an attempt together, through gangScheduler")
+    gang_scheduler: Literal["kueue", "volcano", "coscheduling"] | None = Field(
+        None, description="what places the gang as one: kueue (the pods join one Kueue pod group; needs queueName), "
+        "volcano (a Volcano PodGroup, scheduling.volcano.sh, minMember all pods; schedulerName defaults to volcano), "
+        "coscheduling (scheduler-plugins' PodGroup, scheduling.x-k8s.io, minMember all pods, scheduleTimeoutSeconds "
+        "runPolicy.schedulingTimeoutSeconds; set schedulerName to the scheduler that runs the plugin, e.g. "
+        "scheduler-plugins-scheduler). Default: kueue where queueName is set and volcano where schedulerName is "
+        "volcano (both where both are), else none: the scheduler places the pods one at a time")
+    queue_name: str | None = Field(None, pattern=DNS_LABEL, description="the queue: Kueue's LocalQueue (the pods "
+                                   "join one pod group), or with gangScheduler volcano the PodGroup's Volcano queue")
+    scheduler_name: str | None = Field(None, min_length=1, description="the pods' schedulerName, e.g. volcano: a "
+                                       "PodGroup with minMember = all pods is created with the job")
     priority_class_name: str | None = Field(None, min_length=1, description="the pods' PriorityClass")
+
+    @model_validator(mode="after")
+    def _one_gang_scheduler(self) -> Scheduling:
+        chosen = self.gang_scheduler
+        if chosen and not self.gang:
+            raise ValueError(f"scheduling.gangScheduler={chosen} places the pods as a gang, and scheduling.gang is "
+                             f"false: set gang: true, or leave gangScheduler out")
+        if chosen == "kueue" and not self.queue_name:
+            raise ValueError("scheduling.gangScheduler=kueue needs scheduling.queueName (the Kueue LocalQueue)")
+        if chosen == "coscheduling" and self.queue_name:
+            raise ValueError(f"scheduling.queueName={self.queue_name} is a Kueue or Volcano queue, and "
+                             f"gangScheduler=coscheduling has none: leave queueName out, or use gangScheduler kueue")
+        if chosen == "coscheduling" and self.scheduler_name == "volcano":
+            raise ValueError("scheduling.schedulerName=volcano ignores scheduler-plugins' PodGroup: use gangScheduler "
+                             "volcano, or the scheduler that runs the coscheduling plugin")
+        return self
+
+    @property
+    def gang_schedulers(self) -> frozenset[str]:
+        """The gang schedulers in use: gangScheduler, else those queueName and schedulerName imply."""
+        if not self.gang:
+            return frozenset()
+        if self.gang_scheduler:
+            return frozenset({self.gang_scheduler})
+        implied = (("kueue", self.queue_name is not None), ("volcano", self.scheduler_name == "volcano"))
+        return frozenset(name for name, used in implied if used)
+
+    @property
+    def pod_scheduler_name(self) -> str | None:
+        """The pods' schedulerName: schedulerName, or volcano for gangScheduler volcano."""
+        return self.scheduler_name or ("volcano" if self.gang_scheduler == "volcano" else None)
+
+
+CONFIG_EXIT_CODE = 2  # the workers' exit code for a configuration error: retrying cannot help
+
+
+class ExitCodes(_Model):
+    """Exit codes of a failed pod's containers, as a Kubernetes Job's podFailurePolicy matches them."""
+    container_name: str | None = Field(None, description="only this container's exit code; default: any container")
+    operator: Literal["In", "NotIn"] = Field("In", description="In: one of the exit codes is in values; NotIn: one "
+                                                               "is not")
+    values: list[int] = Field(min_length=1, description="exit codes (0 never matches: it is not a failure)")
+
+
+class PodConditionPattern(_Model):
+    type: str = Field(min_length=1, description="a pod condition type, e.g. DisruptionTarget")
+    status: Literal["True", "False", "Unknown"] = Field("True", description="the condition's status")
+
+
+class PodFailureRule(_Model):
+    """What a pod failure does to the job, as a Kubernetes Job's podFailurePolicy rule: FailJob fails it at once,
+    Ignore restarts without using backoffLimit, Count restarts and counts against backoffLimit."""
+    action: Literal["FailJob", "Ignore", "Count"] = Field(description="FailJob: the job fails at once; Ignore: "
+                                                          "restart, not counted; Count: restart, counted")
+    on_exit_codes: ExitCodes | None = Field(None, description="matches a failed pod's containers' exit codes")
+    on_pod_conditions: list[PodConditionPattern] = Field([], description="matches a failed pod with any of these "
+                                                                         "conditions")
+
+    @model_validator(mode="after")
+    def _one_match(self) -> PodFailureRule:
+        if (self.on_exit_codes is None) == (not self.on_pod_conditions):
+            raise ValueError("set exactly one of onExitCodes or onPodConditions")
+        return self
+
+
+class PodFailurePolicy(_Model):
+    """Rules tried in order before the built-in ones; the first that matches a failed pod decides. Built in, after
+    the user's: a DisruptionTarget condition (preemption, eviction, a drain, a lost node) Ignore; exit code 2 (the
+    workers' configuration error) FailJob. A failure no rule matches Counts."""
+    rules: list[PodFailureRule] = Field([], description="tried in order; the first that matches decides")
 
 
 class RunPolicy(_Model):
     """Restarts, deadlines and suspension: the one part of spec that may change while the job exists."""
-    backoff_limit: int = Field(3, ge=0, description="gang restarts before the job fails")
+    backoff_limit: int = Field(3, ge=0, description="restarts for pod failures (not disruptions, which do not "
+                                                    "count) before the job fails")
+    pod_failure_policy: PodFailurePolicy = PodFailurePolicy()
+    scheduling_timeout_seconds: int | None = Field(
+        None, ge=1, description="a gang not fully scheduled this long after its pods were created releases them "
+                                "and tries again later (with backoff): without a gang scheduler, two jobs placed "
+                                "half each would wait for each other forever")
     active_deadline_seconds: int | None = Field(None, ge=1, description="the job fails once it has run this long")
     ttl_seconds_after_finished: int | None = Field(None, ge=0, description="the finished job (and so its pods) "
                                                    "is deleted this long after it succeeded or failed")
@@ -529,7 +644,7 @@ class Tokenizer(_Model):
 
 # Pod settings that a colocated pod takes from generator: a trainer value that differs cannot be honoured.
 COLOCATED_POD_FIELDS = ("replicas", "gpus_per_pod", "image", "image_pull_policy", "image_pull_secrets", "command",
-                        "resources", "node_selector", "tolerations", "affinity")
+                        "resources", "node_selector", "tolerations", "affinity", "shm_size", "tmp_size")
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # GPU feature discovery's node label
 
 
@@ -615,8 +730,15 @@ def _show(value: Any) -> str:
 
 class Metadata(_Model):
     model_config = ConfigDict(extra="allow", frozen=True)
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    name: str
     namespace: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _dns_1035_label(cls, name: str) -> str:
+        if len(name) > 63 or not re.match(DNS_1035_LABEL, name):
+            raise ValueError(f"{name!r}: {NAME_RULE}")
+        return name
 
 
 class RLHFJob(_Model):
@@ -626,6 +748,42 @@ class RLHFJob(_Model):
     metadata: Metadata
     spec: RLHFJobSpec
     status: RLHFJobStatus | None = None
+
+
+# What to do about a field that privileged_fields names.
+PRIVILEGE_FIX = ("remove it (a persistentVolumeClaim or an emptyDir reads and writes files without the node's), or "
+                 "allow it: pat validate --allow-privileged-pods; the operator's flags --allow-privileged-pods (the "
+                 "chart value jobPods.allowPrivileged: true) or --allow-host-path PREFIX for paths under PREFIX")
+
+
+def privileged_fields(spec: RLHFJobSpec, allowed_host_paths: Sequence[str] = ()) -> list[str]:
+    """The fields of a job that give its pods access to their node, as Pod Security's baseline level forbids: hostPath
+    volumes, in trainer and generator volumes, model.volume and checkpoint.volume (spec.generator.volumes[0].hostPath).
+    The rest of what baseline forbids (privileged containers, allowPrivilegeEscalation, added capabilities,
+    hostNetwork, hostPID, hostIPC, hostPorts) a job cannot set: the models have no such field and refuse unknown
+    ones, and the builders set the pods' securityContext themselves. A key is matched in any case: an API server
+    before 1.23 decoded JSON keys case-insensitively, so it read HostPath as hostPath. A hostPath under one of
+    `allowed_host_paths` (absolute directories, e.g. a node's dataset disk) is allowed."""
+    volumes = [(f"spec.{role}.volumes[{i}]", v) for role in ("trainer", "generator")
+               for i, v in enumerate(getattr(spec, role).volumes)]
+    volumes += [(f"spec.{name}.volume", getattr(spec, name).volume) for name in ("model", "checkpoint")]
+    return [f"{path}.{key}" for path, volume in volumes for key in volume or {} if key.lower() == "hostpath"
+            and not _under(volume[key], allowed_host_paths)]
+
+
+def _under(host_path: Any, prefixes: Sequence[str]) -> bool:
+    path = host_path.get("path") if isinstance(host_path, dict) else None
+    if not isinstance(path, str) or not path.startswith("/"):
+        return False
+    path = posixpath.normpath(path)  # no way out of a prefix through ".."
+    return any(posixpath.commonpath([path, prefix]) == posixpath.normpath(prefix) for prefix in prefixes)
+
+
+def require_unprivileged(spec: RLHFJobSpec, source: str = "RLHFJob", allowed_host_paths: Sequence[str] = ()) -> None:
+    """JobSpecError naming each of privileged_fields and the fix, as parse_job writes its errors."""
+    if fields := privileged_fields(spec, allowed_host_paths):
+        raise JobSpecError(f"{source} is invalid:\n" + "\n".join(
+            f"  {field}: a hostPath volume gives the pods their node's files; {PRIVILEGE_FIX}" for field in fields))
 
 
 PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
@@ -659,13 +817,31 @@ class GeneratorPodStatus(_Status):
                                 "pat_generator_requests_waiting or vLLM's vllm:num_requests_waiting")
 
 
+class ForceDeleted(_Status):
+    pod: str
+    message: str = Field(description="the PodForceDeleted event's message, posted once the pod is gone")
+    held: bool = Field(False, description="a finalizer still held the pod after the force delete (reported once)")
+
+
 class RLHFJobStatus(_Status):
     """What the operator observed; written only by the operator."""
     phase: Literal[PHASES] = Field("Pending", description="derived from the conditions")  # type: ignore[valid-type]
     conditions: list[Condition] = []
     observed_generation: int | None = None
     iteration: int = Field(0, description="iterations the trainer has completed")
-    restarts: int = Field(0, description="gang restarts so far (the current attempt)")
+    restarts: int = Field(0, description="restarts counted against runPolicy.backoffLimit")
+    disruptions: int = Field(0, description="restarts for disruptions (a DisruptionTarget condition or a "
+                                            "podFailurePolicy Ignore rule): not counted against backoffLimit")
+    scheduling_timeouts: int = Field(0, description="gangs released for runPolicy.schedulingTimeoutSeconds")
+    attempt: int | None = Field(None, description="the gang's attempt (its pods' names and pat.dev/attempt "
+                                                  "label); default: restarts, as before disruptions were counted")
+    attempt_time: str | None = Field(None, description="when the current attempt's pods were created")
+    next_attempt_time: str | None = Field(None, description="no pod of the next attempt is created before this")
+    incarnations: dict[str, int] = Field({}, description="generator pods restarted alone in this attempt, by "
+                                                         "role-index: how many times")
+    force_deleted: list[ForceDeleted] = Field([], description="pods force-deleted and not yet gone")
+    pods: list[str] = Field([], description="the current attempt's pods the operator has seen: one of them gone is "
+                                            "a failure")
     start_time: str | None = None
     completion_time: str | None = None
     tp: str = Field("", description="the generator pods' TP layouts, e.g. 2+1+1 4")

@@ -26,8 +26,8 @@ from .api import Generator, GeneratorPodStatus
 from .layout import describe
 from .operator_metrics import OperatorMetrics
 from .podapi import RegroupAck, RegroupPlan
-from .podclient import PodClient, PodError
-from .prometheus import PodMetrics, PrometheusError, pod_metrics, query, selectors
+from .podclient import PodClient, PodError, http_url
+from .prometheus import PodMetrics, PrometheusAuth, PrometheusError, pod_metrics, query, selectors
 from .reconcile import MetricsState, stamp
 
 log = logging.getLogger("pat_operator.autoscaler")
@@ -71,6 +71,7 @@ class Autoscaler:
     changed: Callable[[], None]  # wakes the job's daemon, which writes the status
     counters: OperatorMetrics
     settings: AutoscaleSettings = AutoscaleSettings()
+    auth: PrometheusAuth | None = None  # Prometheus' credentials (never sent to the pods)
     metrics: MetricsState | None = None
     pods: dict[str, _Pod] = field(default_factory=dict)
 
@@ -94,8 +95,8 @@ class Autoscaler:
         data_query, age_query = selectors(self.namespace, list(ready))
         timeout = self.settings.query_timeout_seconds
         try:
-            series, ages = await asyncio.gather(query(self.session, self.url, data_query, timeout),
-                                                query(self.session, self.url, age_query, timeout))
+            series, ages = await asyncio.gather(query(self.session, self.url, data_query, timeout, auth=self.auth),
+                                                query(self.session, self.url, age_query, timeout, auth=self.auth))
         except PrometheusError as e:
             self.counters.prometheus_errors.labels(e.reason).inc()
             return MetricsState("False", e.reason, f"{e}; keeping the current TP layouts")
@@ -132,7 +133,7 @@ class Autoscaler:
         self.changed()
 
     async def _send(self, name: str, ip: str, plan: RegroupPlan, old: Sequence[int]) -> None:
-        client = PodClient(f"http://{ip}:{self.generator.port}", self.token, self.session)
+        client = PodClient(http_url(ip, self.generator.port), self.token, self.session)
         change = f"{describe(old)} -> {describe(plan.layout)}"
         started, why = time.monotonic(), ""
         for attempt in range(1, self.settings.attempts + 1):

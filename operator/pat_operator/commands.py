@@ -14,10 +14,15 @@ def prepare_args(job_file: str, model_dir: str) -> list[str]:
     return ["prepare", "--job", job_file, "--model", model_dir]
 
 
-def generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_file: str | None = None) -> list[str]:
+def generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_file: str | None = None,
+                   inference_token_file: str | None = None, weights_store: str | None = None) -> list[str]:
+    """One generator pod. Its tokens come from the files given, else from env PAT_JOB_TOKEN (control) and
+    PAT_INFERENCE_TOKEN; `weights_store`: HOST or HOST:PORT of the job's weight-sync store (the trainer's rank 0
+    hosts it, and announces it in each weight update), the only store the pod then takes weights from."""
     g, a = spec.generator, spec.generator.adaptive_tp
+    access = _access_args(token_file, inference_token_file, weights_store)
     if g.engine == "vllm":
-        return _vllm_generator_args(spec, model_dir, host, token_file)
+        return _vllm_generator_args(spec, model_dir, host, access)
     controller = a.controller if g.adaptive else "operator"  # off: the pod plans nothing and no plans arrive
     args = ["generator", "--model", model_dir, "--ranks", str(g.ranks), "--host", host, "--port", str(g.port),
             "--controller", controller, "--margin", str(a.min_gain), "--cooldown-steps", str(a.cooldown_steps),
@@ -33,12 +38,20 @@ def generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_file: str
         args += ["--profile", a.profile]
     if spec.tokenizer.path:
         args += ["--tokenizer", spec.tokenizer.path]
-    if token_file:
-        args += ["--token-file", token_file]
+    return args + access
+
+
+def _access_args(token_file: str | None, inference_token_file: str | None, weights_store: str | None) -> list[str]:
+    """Who may call the generator pod, and where it takes weights from."""
+    args = []
+    for flag, value in (("--token-file", token_file), ("--inference-token-file", inference_token_file),
+                        ("--weights-store", weights_store)):
+        if value:
+            args += [flag, value]
     return args
 
 
-def _vllm_generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_file: str | None) -> list[str]:
+def _vllm_generator_args(spec: RLHFJobSpec, model_dir: str, host: str, access: list[str]) -> list[str]:
     """engine vllm: the pod's API in front of ranks / tensorParallelSize vLLM engines; each extraArgs entry is passed
     on to `vllm serve` as it is (--vllm-arg=--max-num-seqs=128)."""
     g, v = spec.generator, spec.generator.vllm
@@ -56,9 +69,7 @@ def _vllm_generator_args(spec: RLHFJobSpec, model_dir: str, host: str, token_fil
         args += ["--enforce-eager"]
     if spec.tokenizer.path:
         args += ["--tokenizer", spec.tokenizer.path]
-    if token_file:
-        args += ["--token-file", token_file]
-    return args + [f"--vllm-arg={a}" for a in v.extra_args]
+    return args + access + [f"--vllm-arg={a}" for a in v.extra_args]
 
 
 def trainer_args(spec: RLHFJobSpec, job_file: str, model_dir: str, run_dir: str, generators: list[str], host: str,
@@ -84,15 +95,18 @@ def trainer_args(spec: RLHFJobSpec, job_file: str, model_dir: str, run_dir: str,
 
 def colocated_args(spec: RLHFJobSpec, job_file: str, model_dir: str, run_dir: str, generators: list[str], host: str,
                    pod_index: int, master_addr: str, master_port: int, generator_host: str, metrics_port: int = 0,
-                   token_file: str | None = None, bind: str | None = None) -> list[str]:
+                   token_file: str | None = None, bind: str | None = None,
+                   inference_token_file: str | None = None) -> list[str]:
     """One pod of a colocated job (spec.placement: colocated): `pat colocated` runs the pod's generator (generator_args,
-    listening on generator_host) and its trainer ranks (trainer_args, on the same devices) as one unit, built from
-    the same job file."""
+    listening on generator_host, taking weights only from the store at master_addr, pod 0's, where trainer rank 0
+    runs) and its trainer ranks (trainer_args, on the same devices) as one unit, built from the same job file."""
     args = ["colocated", "--job", job_file, "--model", model_dir, "--run-dir", run_dir, "--generators",
             ",".join(generators), "--host", host, "--generator-host", generator_host, "--pod-index", str(pod_index),
             "--master-addr", master_addr, "--master-port", str(master_port), "--metrics-port", str(metrics_port)]
     if token_file:
         args += ["--token-file", token_file]
+    if inference_token_file:
+        args += ["--inference-token-file", inference_token_file]
     if bind:
         args += ["--bind", bind]
     return args

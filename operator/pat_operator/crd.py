@@ -228,6 +228,20 @@ def _rules() -> dict[str, list[tuple[str, str]]]:
              "generator.vllm.tensorParallelSize with adaptive TP: the pod's base layout is all TP=1 engines; leave it "
              "at 1 (adaptiveTP.tpSizes sets the sizes)"),
         ],
+        "Scheduling": [
+            ("!has(self.gangScheduler) || !has(self.gang) || self.gang",
+             "scheduling.gangScheduler places the pods as a gang, and scheduling.gang is false: set gang: true, or "
+             "leave gangScheduler out"),
+            ("!has(self.gangScheduler) || self.gangScheduler != 'kueue' || has(self.queueName)",
+             "scheduling.gangScheduler=kueue needs scheduling.queueName (the Kueue LocalQueue)"),
+            ("!has(self.gangScheduler) || self.gangScheduler != 'coscheduling' || !has(self.queueName)",
+             "scheduling.queueName is a Kueue or Volcano queue, and gangScheduler=coscheduling has none: leave "
+             "queueName out, or use gangScheduler kueue"),
+            ("!has(self.gangScheduler) || self.gangScheduler != 'coscheduling' || !has(self.schedulerName) || "
+             "self.schedulerName != 'volcano'",
+             "scheduling.schedulerName=volcano ignores scheduler-plugins' PodGroup: use gangScheduler volcano, or the "
+             "scheduler that runs the coscheduling plugin"),
+        ],
         "RLHFJobSpec": _spec_rules(),
     }
 
@@ -311,8 +325,8 @@ def _root(cel: bool) -> dict[str, Any]:
     }
     if cel:
         root["x-kubernetes-validations"] = [{
-            "rule": f"self.metadata.name.matches('{api.DNS_LABEL}') && size(self.metadata.name) <= 63",
-            "message": "metadata.name: use a DNS label (lowercase letters, digits and '-', at most 63 characters)",
+            "rule": f"self.metadata.name.matches('{api.DNS_1035_LABEL}') && size(self.metadata.name) <= 63",
+            "message": f"metadata.name: {api.NAME_RULE}",
         }]
     return root
 

@@ -2,15 +2,14 @@
 the trainer's progress), calls the pure `reconcile.decide()`, and carries the decision out.
 
 Pod and job events only wake the daemon; it also wakes when the decision says something is due (a backoff, a
-deadline, a TTL) and every RESYNC_SECONDS anyway. With kopf peering, a paused operator stops its daemons, so two
-operator replicas never act on one job.
+deadline, a TTL) and every RESYNC_SECONDS anyway. Only the replica that holds the leader Lease runs kopf (main.py),
+so two operator replicas never act on one job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,14 +22,14 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 
-from . import builders
+from . import builders, kube
 from . import metric_names as names
 from .api import GROUP, PHASES, VERSION, GeneratorPodStatus, JobSpecError, RLHFJobStatus
 from .autoscaler import AutoscaleSettings, Autoscaler
 from .operator_metrics import OperatorMetrics
-from .podclient import PodClient, PodError
-from .prometheus import PrometheusError, query, queue_depths, queue_queries
-from .reconcile import Decision, Observed, Settings, decide, parse_body, pod_view
+from .podclient import PodClient, PodError, http_url
+from .prometheus import PrometheusAuth, PrometheusError, query, queue_depths, queue_queries
+from .reconcile import Decision, Event, Observed, Settings, decide, needs_write, parse_body, pod_view, queue_event
 
 PLURAL = "rlhfjobs"
 RESYNC_SECONDS = 5.0
@@ -52,7 +51,12 @@ class Memo:
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
     session: aiohttp.ClientSession | None = None
     prometheus_url: str | None = None  # the default for jobs that name none
+    prometheus_auth: PrometheusAuth | None = None  # a bearer token, a CA, headers (managed Prometheus, Thanos, Mimir)
     autoscale: AutoscaleSettings = AutoscaleSettings()
+    events: kube.EventRecorder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.events = kube.EventRecorder(self.api)
 
 
 @kopf.index("pods", labels={builders.LABEL_JOB: kopf.PRESENT})
@@ -81,8 +85,9 @@ async def run_job(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
     token = builders.job_token(m.token_key, uid)
     observer = _Observer(m, token, body.get("status"), _prometheus_url(m, body))
     errors: tuple[str, ...] = ()
+    last_write = 0.0
     autoscaler = _autoscaler(m, body, token, observer, wake)
-    autoscaling = asyncio.create_task(_autoscale(autoscaler, key, pods_by_job)) if autoscaler else None
+    autoscaling = asyncio.create_task(_autoscale(autoscaler, key, uid, pods_by_job)) if autoscaler else None
     try:
         while not stopped:
             wake.clear()
@@ -90,15 +95,19 @@ async def run_job(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
             snapshot = copy.deepcopy(dict(body))
             pods = list(pods_by_job.get(key, []))
             try:
-                iteration, generators = await observer.observe(snapshot, pods)
-                decision = decide(Observed(snapshot, pods, datetime.now(timezone.utc), token, iteration,
+                iteration, generators, queue_events = await observer.observe(
+                    snapshot, [p for p in pods if p.owner == uid])
+                decision = decide(Observed(snapshot, pods, datetime.now(timezone.utc), m.token_key, iteration,
                                            generators, errors, autoscaler and autoscaler.metrics,
-                                           autoscaler.in_flight if autoscaler else ()), m.settings)
-                errors = await _carry_out(m, snapshot, decision)
-                if decision.status != snapshot.get("status"):
+                                           autoscaler.in_flight if autoscaler else (), queue_events), m.settings)
+                now = time.monotonic()
+                write = needs_write(snapshot.get("status"), decision.status, now - last_write)
+                errors = await _carry_out(m, snapshot, decision, write)
+                if write:
+                    last_write = now
                     await _catch_up(body, snapshot)
                 m.metrics.reconciles.labels("ok").inc()
-            except (ApiException, aiohttp.ClientError, OSError) as e:  # the API server is away: try again
+            except (ApiException, kube.KubeError, aiohttp.ClientError, OSError) as e:  # the API server is away
                 log.warning("%s/%s: reconcile failed: %s", namespace, name, e)
                 m.metrics.reconciles.labels("error").inc()
                 decision = None
@@ -146,16 +155,16 @@ def _autoscaler(m: Memo, body: kopf.Body, token: str, observer: _Observer, wake:
     return Autoscaler(
         namespace=body.metadata.namespace, job=body.metadata.name, generator=job.spec.generator, token=token,
         url=adaptive.prometheus.url or m.prometheus_url, session=m.session, generators=observer.generators,
-        emit=lambda type_, reason, message: kopf.event(body, type=type_, reason=reason, message=message),
-        changed=wake.set, counters=m.metrics, settings=m.autoscale)
+        emit=lambda type_, reason, message: m.events.emit(body, type_, reason, message),
+        changed=wake.set, counters=m.metrics, settings=m.autoscale, auth=m.prometheus_auth)
 
 
-async def _autoscale(autoscaler: Autoscaler, key: tuple[str, str], pods_by_job: kopf.Index) -> None:
+async def _autoscale(autoscaler: Autoscaler, key: tuple[str, str], uid: str, pods_by_job: kopf.Index) -> None:
     interval = autoscaler.generator.adaptive_tp.prometheus.query_interval
     while True:
         started = time.monotonic()
         ready = {p.name: p.ip for p in pods_by_job.get(key, []) if builders.serves(p.role, "generator") and p.ready
-                 and p.ip and not p.deleting}
+                 and p.ip and not p.deleting and p.owner == uid}
         try:
             await autoscaler.tick(ready)
         except Exception:  # a bug must not stop the job's adaptive TP for good: log it, try again
@@ -163,30 +172,33 @@ async def _autoscale(autoscaler: Autoscaler, key: tuple[str, str], pods_by_job: 
         await asyncio.sleep(max(interval - (time.monotonic() - started), 0.05))
 
 
-async def _carry_out(m: Memo, body: dict[str, Any], d: Decision) -> tuple[str, ...]:
-    """Applies a decision; returns what the API server refused (fed to the next decision)."""
+async def _carry_out(m: Memo, body: dict[str, Any], d: Decision, write_status: bool) -> tuple[str, ...]:
+    """Applies a decision (its status only if `write_status`); returns what the API server refused (fed to the next
+    decision). Every call goes through kube.call: a timeout, and retries with jitter on 429, 5xx and lost
+    connections."""
     meta = body["metadata"]
-    namespace, uid = meta["namespace"], meta["uid"]
+    namespace, uid, job = meta["namespace"], meta["uid"], meta["name"]
     core = kubernetes.client.CoreV1Api(m.api)
     custom = kubernetes.client.CustomObjectsApi(m.api)
     errors: list[str] = []
 
     async def create(manifest: dict[str, Any]) -> bool:
         kind, name = manifest["kind"], manifest["metadata"]["name"]
+        if (manifest["apiVersion"], kind) in builders.CUSTOM_RESOURCES:
+            group, version, plural = builders.CUSTOM_RESOURCES[(manifest["apiVersion"], kind)]
+            fn, args = custom.create_namespaced_custom_object, (group, version, namespace, plural, manifest)
+        elif kind == "NetworkPolicy":
+            fn, args = kubernetes.client.NetworkingV1Api(m.api).create_namespaced_network_policy, (namespace, manifest)
+        else:
+            fn, args = getattr(core, f"create_namespaced_{_snake(kind)}"), (namespace, manifest)
         try:
-            if kind == "PodGroup":
-                group, version, plural = builders.PODGROUP_API
-                await asyncio.to_thread(custom.create_namespaced_custom_object, group, version, namespace, plural,
-                                        manifest)
-            else:
-                method = getattr(core, f"create_namespaced_{_snake(kind)}")
-                await asyncio.to_thread(method, namespace, manifest)
+            await kube.call(fn, *args, what=f"creating {kind} {namespace}/{name}")
             return True
         except ApiException as e:
             if e.status == 409:  # it exists already (an earlier reconcile, or before an operator restart)
                 return False
             m.metrics.api_errors.labels("create").inc()
-            errors.append(f"creating {kind} {name}: {_reason(e)}")
+            errors.append(f"creating {kind} {name}: {kube.describe(e)}")
             return False
 
     for manifest in d.ensure:
@@ -199,34 +211,31 @@ async def _carry_out(m: Memo, body: dict[str, Any], d: Decision) -> tuple[str, .
     created = [p["metadata"]["name"] for p in d.create_pods if await create(p)]
     if created:
         m.metrics.pods_created.inc(len(created))
-        kopf.event(body, type="Normal", reason="CreatedPods", message=f"created {', '.join(created)}")
-    for pod, why in [(p, None) for p in d.delete_pods] + list(d.force_delete_pods.items()):
+        await m.events.post(body, "Normal", "CreatedPods", f"created {', '.join(created)}")
+    for pod, grace in [(p, None) for p in d.delete_pods] + [(p, 0) for p in d.force_delete_pods]:
         try:
-            await asyncio.to_thread(core.delete_namespaced_pod, pod, namespace,
-                                    grace_period_seconds=None if why is None else 0)
+            await kube.call(core.delete_namespaced_pod, pod, namespace, grace_period_seconds=grace,
+                            what=f"{'force-' if grace == 0 else ''}deleting pod {namespace}/{pod}")
         except ApiException as e:
             if e.status != 404:
                 m.metrics.api_errors.labels("delete").inc()
-                errors.append(f"deleting pod {pod}: {_reason(e)}")
-        else:
-            if why is not None:
-                kopf.event(body, type="Warning", reason="PodForceDeleted", message=why)
+                errors.append(f"{'force-' if grace == 0 else ''}deleting pod {pod}: {kube.describe(e)}")
     old = body.get("status") or {}
-    if d.status != old:
+    if write_status:
         patch = {**{k: None for k in old if k not in d.status}, **d.status}
         try:
-            await asyncio.to_thread(custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace,
-                                    PLURAL, meta["name"], {"status": patch})
-        except ApiException as e:
+            await kube.call(custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, PLURAL, job,
+                            {"status": patch}, what=f"writing the status of RLHFJob {namespace}/{job}")
+        except (ApiException, kube.KubeError):
             m.metrics.api_errors.labels("patch").inc()
-            raise e
+            raise
     for event in d.events:
-        if event.reason == "GangRestart":
+        if event.reason in ("GangRestart", "GeneratorRestart"):
             m.metrics.gang_restarts.inc()
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+        await m.events.post(body, event.type, event.reason, event.message)
     if d.delete_job:
-        await asyncio.to_thread(custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL,
-                                meta["name"])
+        await kube.call(custom.delete_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, job,
+                        what=f"deleting RLHFJob {namespace}/{job}")
     return tuple(errors)
 
 
@@ -256,12 +265,15 @@ class _Observer:
         self.generators: dict[str, GeneratorPodStatus] = {
             g.pod: g for g in RLHFJobStatus.model_validate(status or {}).generators}
 
-    async def observe(self, body: dict[str, Any], pods: list) -> tuple[int | None, dict[str, GeneratorPodStatus]]:
+    async def observe(self, body: dict[str, Any], pods: list) -> tuple[int | None, dict[str, GeneratorPodStatus],
+                                                                      tuple[Event, ...]]:
+        """The trainer's iteration, the generator pods' status, and the GeneratorQueue events of this observation
+        (handed out once)."""
         now = time.monotonic()
         spec = body.get("spec") or {}
         custom = any((spec.get(role) or {}).get("command") for role in builders.ROLES)
         if now - self.last < OBSERVE_SECONDS or custom:  # a custom command need not speak the pat protocol
-            return self.iteration, self.generators
+            return self.iteration, self.generators, ()
         self.last = now
         running = [p for p in pods if p.phase == "Running" and p.ip and not p.deleting]
         self.polling = bool(running)
@@ -271,13 +283,17 @@ class _Observer:
         queues = [self._queues(body["metadata"]["namespace"], [p.name for p in generators])] \
             if generators and self.prometheus_url else []
         trainer = [p for p in running if builders.serves(p.role, "trainer") and p.index == 0]
+        before = dict(self.generators)
         await asyncio.gather(*(self._trainer(p) for p in trainer),
                              *(self._generator(p, spec) for p in generators), *queues)
-        return self.iteration, self.generators
+        engine = (spec.get("generator") or {}).get("engine", "pat")
+        events = tuple(e for pod, g in self.generators.items()
+                       if (e := queue_event(before.get(pod) or GeneratorPodStatus(pod=pod), g, engine)))
+        return self.iteration, self.generators, events
 
     async def _trainer(self, pod) -> None:
         try:
-            async with self.m.session.get(f"http://{pod.ip}:{builders.TRAINER_METRICS_PORT}/metrics") as resp:
+            async with self.m.session.get(http_url(pod.ip, builders.TRAINER_METRICS_PORT) + "/metrics") as resp:
                 text = await resp.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return
@@ -288,7 +304,7 @@ class _Observer:
     async def _generator(self, pod, spec: dict[str, Any]) -> None:
         port = (spec.get("generator") or {}).get("port", 8000)
         try:
-            state = await PodClient(f"http://{pod.ip}:{port}", self.token, self.m.session).state()
+            state = await PodClient(http_url(pod.ip, port), self.token, self.m.session).state()
         except (aiohttp.ClientError, asyncio.TimeoutError, PodError):
             return
         old = self.generators.get(pod.name) or GeneratorPodStatus(pod=pod.name)
@@ -298,7 +314,8 @@ class _Observer:
         """The pods' requests running and waiting, from Prometheus (either engine's metrics)."""
         timeout = self.m.autoscale.query_timeout_seconds
         try:
-            running, waiting = await asyncio.gather(*(query(self.m.session, self.prometheus_url, q, timeout)
+            running, waiting = await asyncio.gather(*(query(self.m.session, self.prometheus_url, q, timeout,
+                                                            auth=self.m.prometheus_auth)
                                                       for q in queue_queries(namespace, pods)))
         except PrometheusError as e:
             self.m.metrics.prometheus_errors.labels(e.reason).inc()
@@ -326,10 +343,3 @@ def _count_phases(m: Memo) -> None:
 
 def _snake(kind: str) -> str:
     return {"ConfigMap": "config_map", "Secret": "secret", "Service": "service", "Pod": "pod"}[kind]
-
-
-def _reason(e: ApiException) -> str:
-    try:
-        return json.loads(e.body).get("message", e.reason)
-    except (TypeError, ValueError):
-        return str(e.reason)

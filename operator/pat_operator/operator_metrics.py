@@ -23,7 +23,7 @@ API_VERBS = ("create", "delete", "patch")
 REGROUP_PLAN_OUTCOMES = (*typing.get_args(RegroupAck.model_fields["outcome"].annotation), "superseded", "failed")
 REGROUP_ATTEMPT_RESULTS = ("ok", "error")
 # PrometheusError's reasons (prometheus.query) and the autoscaler's own when the answer has nothing usable.
-PROMETHEUS_ERROR_REASONS = ("PrometheusUnreachable", "QueryFailed", "StaleMetrics", "NoData")
+PROMETHEUS_ERROR_REASONS = ("PrometheusUnreachable", "PrometheusAuthFailed", "QueryFailed", "StaleMetrics", "NoData")
 
 
 @dataclass

@@ -1,7 +1,11 @@
 """The generator pod's HTTP API (its coordinator): payload models shared by the trainer, the operator and the pod.
 
 JSON field names are snake_case, as in OpenAI-style inference APIs. Every endpoint but /healthz, /readyz and
-/metrics needs `Authorization: Bearer <job token>`.
+/metrics needs `Authorization: Bearer <token>`: the job's control token (the job Secret's key `token`) grants them
+all; its inference token (key `inference-token`) only POST /v1/rollouts and GET /v1/rollouts/{batch}.
+
+Every model ignores fields it does not know, so that an operator and a pod of different versions still read each
+other's payloads (a field added later is ignored by the older side); the fields it knows are validated strictly.
 
   POST /v1/rollouts          RolloutBatch  -> 202 BatchStatus   (a batch is generated with one policy version)
   GET  /v1/rollouts/{batch}  ?wait=seconds -> BatchStatus       (completions once done; long-polls up to wait)
@@ -25,7 +29,7 @@ SLEEP_LEVELS = (1, 2)  # POST /v1/sleep?level=: 1 keeps the weights, 2 releases 
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # version skew: see the module's docstring
 
 
 class Sampling(_Model):
@@ -106,8 +110,9 @@ class WeightUpdate(_Model):
                                                   "0 over the job's weight-sync group; device: placement colocated, "
                                                   "each engine rank takes the weights from the trainer rank on its "
                                                   "own device (weightsync.DeviceSender)")
-    address: str = Field(description="group: host:port of the weight-sync store that the trainer's rank 0 hosts; "
-                                     "device: the name of the trainer ranks' hand-over sockets")
+    address: str = Field(description="group: host:port of the weight-sync store that the trainer's rank 0 hosts (a "
+                                     "pod started with --weights-store takes only that store: 403 otherwise); "
+                                     "device: the name of the trainer ranks' hand-over sockets (the job's own)")
     world: int | None = Field(None, ge=2, description="group: trainer rank 0 plus every generator rank of the job")
     rank_offset: int | None = Field(None, ge=1, description="group: this pod's first rank in the weight-sync group")
     backend: Literal["gloo", "nccl"] = "gloo"

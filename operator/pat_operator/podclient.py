@@ -19,6 +19,12 @@ from .podapi import BatchStatus, PodState, RegroupAck, RegroupPlan, RolloutBatch
 M = TypeVar("M", bound=BaseModel)
 
 
+def http_url(host: str, port: int) -> str:
+    """http://HOST:PORT, with an IPv6 address in brackets (RFC 3986): http://[fd00::5]:8000. Only an IPv6 address
+    has a colon (a DNS name or an IPv4 address has none)."""
+    return f"http://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"http://{host}:{port}"
+
+
 class PodError(RuntimeError):
     def __init__(self, url: str, status: int, message: str):
         super().__init__(f"{url}: HTTP {status}: {message}")

@@ -6,15 +6,24 @@ Series are selected by the `namespace` and `pod` target labels, which every Kube
 (kubernetes_sd relabelling, a PodMonitor). A pod whose last scrape is older than `max_age` is stale: left out,
 never planned for. The age is Prometheus' own arithmetic (`time() - timestamp(...)`, both its clock), so a skew
 between the operator's clock and Prometheus' does not make pods stale or fresh.
+
+A Prometheus behind authentication (managed Prometheus, Thanos, Mimir) takes a PrometheusAuth: a bearer token file,
+a CA file and extra headers, all per request, never on the aiohttp session, which the operator shares with the
+job's pods (they must not see Prometheus' credentials).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import functools
 import math
+import os
+import re
+import ssl
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -99,11 +108,77 @@ def queue_depths(running: list[dict], waiting: list[dict]) -> dict[str, tuple[in
     return {pod: (r.get(pod), w.get(pod)) for pod in sorted(r.keys() | w.keys())}
 
 
-async def query(session: aiohttp.ClientSession, url: str, promql: str, timeout: float) -> list[dict]:
-    """An instant query; raises PrometheusError (Unreachable | QueryFailed)."""
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP header name (RFC 9110 token)
+
+
+@dataclass(frozen=True)
+class PrometheusAuth:
+    """How the operator authenticates to Prometheus: a bearer token read from `bearer_token_file` on every query
+    (projected service account tokens rotate), `ca_file` to verify its TLS certificate (default: the system's CAs),
+    and `headers` sent with every query (e.g. X-Scope-OrgID for Mimir)."""
+    bearer_token_file: str | None = None
+    ca_file: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, value in self.headers.items():
+            if not _TOKEN.fullmatch(name) or "\n" in value or "\r" in value:
+                raise ValueError(f"--prometheus-header {name}=...: give NAME=VALUE, NAME an HTTP header name "
+                                 f"(letters, digits, -), VALUE one line")  # the value may be a secret: not shown
+        if self.bearer_token_file and any(name.lower() == "authorization" for name in self.headers):
+            raise ValueError("--prometheus-header Authorization=... and --prometheus-bearer-token-file both set the "
+                             "Authorization header: give one")
+
+    def request_headers(self) -> dict[str, str]:
+        """The headers of one query: `headers`, and the token file's current token."""
+        if not self.bearer_token_file:
+            return dict(self.headers)
+        try:
+            with open(self.bearer_token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise PrometheusError("PrometheusAuthFailed", f"--prometheus-bearer-token-file {self.bearer_token_file}: "
+                                  f"{e.strerror}") from None
+        if not token:
+            raise PrometheusError("PrometheusAuthFailed", f"--prometheus-bearer-token-file {self.bearer_token_file} "
+                                  f"is empty")
+        return {**self.headers, "Authorization": f"Bearer {token}"}
+
+    def ssl_context(self) -> ssl.SSLContext | bool:
+        """aiohttp's `ssl` argument: a context trusting `ca_file`, else True (the default verification)."""
+        if not self.ca_file:
+            return True
+        try:
+            return _ca_context(self.ca_file, os.stat(self.ca_file).st_mtime_ns)
+        except (OSError, ssl.SSLError) as e:
+            raise PrometheusError("PrometheusAuthFailed", f"--prometheus-ca-file {self.ca_file}: "
+                                  f"{getattr(e, 'strerror', None) or e}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _ca_context(ca_file: str, mtime_ns: int) -> ssl.SSLContext:
+    """One context per CA file and version: a rotated CA file (a new mtime) is read again."""
+    return ssl.create_default_context(cafile=ca_file)
+
+
+def header_flag(text: str) -> tuple[str, str]:
+    """argparse's `type` for --prometheus-header NAME=VALUE (split on the first '=')."""
+    name, equals, value = text.partition("=")
+    if not equals:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=VALUE, e.g. X-Scope-OrgID=tenant-1")
+    return name, value
+
+
+async def query(session: aiohttp.ClientSession, url: str, promql: str, timeout: float,
+                auth: PrometheusAuth | None = None) -> list[dict]:
+    """An instant query; raises PrometheusError (Unreachable | QueryFailed | PrometheusAuthFailed)."""
+    headers, ssl_arg = (auth.request_headers(), auth.ssl_context()) if auth else (None, True)
     try:
-        async with session.get(url.rstrip("/") + "/api/v1/query", params={"query": promql},
-                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.get(url.rstrip("/") + "/api/v1/query", params={"query": promql}, headers=headers,
+                               ssl=ssl_arg, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status in (401, 403):
+                raise PrometheusError("PrometheusAuthFailed", f"{url}: HTTP {resp.status}: check "
+                                      f"--prometheus-bearer-token-file and --prometheus-header")
             body = await resp.json(content_type=None)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         raise PrometheusError("PrometheusUnreachable", f"{url}: {type(e).__name__}: {e}") from None

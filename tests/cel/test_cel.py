@@ -170,6 +170,8 @@ CASES = [
          bad={"metadata.name": "job.v1"}, good={"metadata.name": "job-v1"}),
     Case("<nil>", "metadata.name: use a DNS label",  # 64 characters, still a valid subdomain
          bad={"metadata.name": "a" * 64}, good={"metadata.name": "a" * 63}),
+    Case("<nil>", "metadata.name: use a DNS label",  # a DNS label, but the job's Service's name starts with a letter
+         bad={"metadata.name": "3d-grpo"}, good={"metadata.name": "d3-grpo"}),
     Case("spec.model", "set exactly one of model.path",
          bad={"spec.model.path": "/models/llama"}, good={"spec.model": {"path": "/models/llama"}}),
     Case("spec.model", "set exactly one of model.path",
@@ -276,6 +278,18 @@ CASES = [
     Case("spec", "algorithm.maxTokensPerMicroBatch is below one whole sequence",
          bad={"spec.algorithm.maxTokensPerMicroBatch": 127}, good={"spec.algorithm.maxTokensPerMicroBatch": 128},
          also={"spec.generator.maxSeq": 128, "spec.algorithm.maxResponseTokens": 64}),
+    Case("spec.scheduling", "scheduling.gangScheduler places the pods as a gang, and scheduling.gang is false",
+         bad={"spec.scheduling": {"gang": False, "gangScheduler": "volcano"}},
+         good={"spec.scheduling": {"gang": True, "gangScheduler": "volcano"}}),
+    Case("spec.scheduling", "scheduling.gangScheduler=kueue needs scheduling.queueName",
+         bad={"spec.scheduling": {"gangScheduler": "kueue"}},
+         good={"spec.scheduling": {"gangScheduler": "kueue", "queueName": "team-a"}}),
+    Case("spec.scheduling", "scheduling.queueName is a Kueue or Volcano queue, and gangScheduler=coscheduling",
+         bad={"spec.scheduling": {"gangScheduler": "coscheduling", "queueName": "team-a"}},
+         good={"spec.scheduling": {"gangScheduler": "volcano", "queueName": "team-a"}}),
+    Case("spec.scheduling", "scheduling.schedulerName=volcano ignores scheduler-plugins' PodGroup",
+         bad={"spec.scheduling": {"gangScheduler": "coscheduling", "schedulerName": "volcano"}},
+         good={"spec.scheduling": {"gangScheduler": "coscheduling", "schedulerName": "scheduler-plugins-scheduler"}}),
 ]
 
 
@@ -420,6 +434,8 @@ def test_nulls_are_unset_for_cel_as_for_the_models(jobs: Jobs):
      "spec.generator.adaptiveTP.tpSizes: Too many: 17: must have at most 16 items"),
     ({"spec.generator.port": 70000}, "spec.generator.port in body should be less than or equal to 65535"),
     ({"spec.scheduling": {"queueName": "Team_A"}}, "spec.scheduling.queueName in body should match"),
+    ({"spec.scheduling": {"gangScheduler": "yunikorn"}},
+     'spec.scheduling.gangScheduler: Unsupported value: "yunikorn"'),
     ({"spec.trainer.resources": {"limits": {"memory": "4GB"}}},
      "spec.trainer.resources.limits.memory in body should match"),
     ({"spec.generator.env": [{"value": "1"}]}, "spec.generator.env[0].name: Required value"),

@@ -233,6 +233,25 @@ def fixed_pod(model_dir, tmp_path_factory):
         assert pod.stop() == 0
 
 
+CONTROL_TOKEN, INFERENCE_TOKEN = "control-token", "inference-token"
+WEIGHTS_STORE = "localhost"  # a DNS name: the pod resolves it when an update comes (here to 127.0.0.1)
+
+
+@pytest.fixture(scope="session")
+def access_pod(model_dir, tmp_path_factory):
+    """A one-rank pod with the job's two tokens (control in a file, inference in PAT_INFERENCE_TOKEN) that takes
+    weights only from WEIGHTS_STORE, started only for the tests that use it."""
+    tmp = tmp_path_factory.mktemp("access-pod")
+    (tmp / "token").write_text(CONTROL_TOKEN + "\n")
+    pod = Pod("access", model_dir, tmp, "--controller", "operator", "--token-file", str(tmp / "token"),
+              "--weights-store", WEIGHTS_STORE, ranks=1, env={"PAT_INFERENCE_TOKEN": INFERENCE_TOKEN})
+    try:
+        pod.wait_ready()
+        yield pod
+    finally:
+        assert pod.stop() == 0
+
+
 @pytest.fixture(scope="session")
 def reference(model_dir) -> Reference:
     return Reference(model_dir)

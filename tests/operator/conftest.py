@@ -25,7 +25,7 @@ def operator(cluster, tmp_path_factory) -> OperatorProcess:
     token = cluster.token_for(SYSTEM_NAMESPACE, SERVICE_ACCOUNT)
     op = OperatorProcess(str(cluster.kubeconfig_for_token(token)), tmp_path_factory.mktemp("operator"),
                          "--restart-backoff-seconds", "1", "--restart-backoff-max-seconds", "4",
-                         "--regroup-timeout-seconds", "2")
+                         "--regroup-timeout-seconds", "2", "--allow-host-path", "/tmp")  # the tests' data
     op.start()
     yield op
     op.stop()
@@ -63,6 +63,13 @@ class Jobs:
 
     def pods(self, name: str) -> list:
         return self.core.list_namespaced_pod(self.namespace, label_selector=f"pat.dev/job={name}").items
+
+    def pod(self, name: str, role: str, index: int = 0) -> str:
+        """The name of the job's current pod of `role` and `index` (pod names carry a per-attempt suffix)."""
+        live = [p for p in self.pods(name) if p.metadata.labels.get("pat.dev/role") == role
+                and p.metadata.labels.get("pat.dev/index") == str(index) and p.metadata.deletion_timestamp is None]
+        assert len(live) == 1, f"{name}: {role}-{index}: {[p.metadata.name for p in live]}"
+        return live[0].metadata.name
 
     def events(self, name: str) -> list[str]:
         items = self.core.list_namespaced_event(self.namespace, field_selector=f"involvedObject.name={name}").items

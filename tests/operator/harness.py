@@ -1,6 +1,7 @@
-"""Installs what the chart installs (CRDs, peering object, ServiceAccount, the chart's RBAC rules) into a real API
-server and runs `pat-operator` as a subprocess with only that ServiceAccount's token. Used by the operator tests
-and, through local_stack(), by the benchmarks under bench/."""
+"""Installs what the chart installs (the CRD, ServiceAccount, the chart's RBAC rules and the Role for the Lease and
+the token-key Secret) into a real API server and runs `pat-operator` as a subprocess with only that ServiceAccount's
+token, with leader election on one Lease in pat-system. Used by the operator tests and, through local_stack(), by the
+benchmarks under bench/."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ from tests.cluster.controlplane import free_port
 
 ROOT = Path(__file__).parents[2]
 RULES = ROOT / "charts" / "pat-operator" / "files" / "operator-rules.yaml"
-PEERING_CRDS = ROOT / "crds" / "kopf-peering.yaml"
 SYSTEM_NAMESPACE = "pat-system"
 SERVICE_ACCOUNT = "pat-operator"
-PEERING = "pat-operator"
+LEASE = "pat-operator"  # of every OperatorProcess unless it names another: one of them acts at a time
+TOKEN_KEY_SECRET = "pat-operator-token-key"
 
 
 def _create(fn, *args) -> None:
@@ -39,25 +40,32 @@ def _create(fn, *args) -> None:
 
 
 def install(api: kubernetes.client.ApiClient) -> None:
-    """CRDs, the peering object and the operator's ServiceAccount with the chart's ClusterRole; idempotent."""
+    """The CRD and the operator's ServiceAccount with the chart's ClusterRole, and in pat-system the chart's Role for
+    the Lease and the token-key Secret; idempotent."""
     ext = kubernetes.client.ApiextensionsV1Api(api)
-    for doc in [crd.manifest(), *yaml.safe_load_all(PEERING_CRDS.read_text())]:
-        _create(ext.create_custom_resource_definition, doc)
-    for name in (crd.manifest()["metadata"]["name"], "clusterkopfpeerings.kopf.dev"):
-        _wait(lambda: any(c.type == "Established" and c.status == "True"
-                          for c in ext.read_custom_resource_definition(name).status.conditions or []), f"CRD {name}")
-    custom = kubernetes.client.CustomObjectsApi(api)
-    _create(custom.create_cluster_custom_object, "kopf.dev", "v1", "clusterkopfpeerings",
-            {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING}})
+    _create(ext.create_custom_resource_definition, crd.manifest())
+    name = crd.manifest()["metadata"]["name"]
+    _wait(lambda: any(c.type == "Established" and c.status == "True"
+                      for c in ext.read_custom_resource_definition(name).status.conditions or []), f"CRD {name}")
     core, rbac = kubernetes.client.CoreV1Api(api), kubernetes.client.RbacAuthorizationV1Api(api)
     _create(core.create_namespace, {"metadata": {"name": SYSTEM_NAMESPACE}})
     _create(core.create_namespaced_service_account, SYSTEM_NAMESPACE, {"metadata": {"name": SERVICE_ACCOUNT}})
+    subjects = [{"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": SYSTEM_NAMESPACE}]
     _create(rbac.create_cluster_role, {"metadata": {"name": SERVICE_ACCOUNT},
                                        "rules": yaml.safe_load(RULES.read_text())})
     _create(rbac.create_cluster_role_binding, {
-        "metadata": {"name": SERVICE_ACCOUNT},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": SERVICE_ACCOUNT},
-        "subjects": [{"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": SYSTEM_NAMESPACE}]})
+        "metadata": {"name": SERVICE_ACCOUNT}, "subjects": subjects,
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": SERVICE_ACCOUNT}})
+    own = f"{SERVICE_ACCOUNT}-self"  # as the chart's templates/rbac.yaml: create cannot be limited to a name
+    _create(rbac.create_namespaced_role, SYSTEM_NAMESPACE, {"metadata": {"name": own}, "rules": [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": [LEASE],
+         "verbs": ["get", "update"]},
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [TOKEN_KEY_SECRET], "verbs": ["get"]}]})
+    _create(rbac.create_namespaced_role_binding, SYSTEM_NAMESPACE, {
+        "metadata": {"name": own}, "subjects": subjects,
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": own}})
 
 
 def _wait(ok, what: str, timeout: float = 30.0) -> None:
@@ -69,11 +77,13 @@ def _wait(ok, what: str, timeout: float = 30.0) -> None:
 
 
 class OperatorProcess:
-    """`pat-operator` as a subprocess, authenticated as its ServiceAccount. `prelude`: Python run before main(),
-    e.g. to stand in for another release of the operator."""
+    """`pat-operator` as a subprocess, authenticated as its ServiceAccount, competing for the Lease `lease` in
+    pat-system ('' for no leader election); its holderIdentity is `<workdir name>-<pid>`. `prelude`: Python run
+    before main(), e.g. to stand in for another release of the operator."""
 
-    def __init__(self, kubeconfig: str, workdir: Path, *extra: str, prelude: str = ""):
+    def __init__(self, kubeconfig: str, workdir: Path, *extra: str, prelude: str = "", lease: str = LEASE):
         self.kubeconfig, self.workdir, self.extra, self.prelude = kubeconfig, workdir, list(extra), prelude
+        self.lease = lease
         workdir.mkdir(parents=True, exist_ok=True)
         self.key_file = workdir / "token-key"
         if not self.key_file.exists():
@@ -86,21 +96,46 @@ class OperatorProcess:
     def log_file(self) -> Path:
         return self.workdir / f"operator.{self.starts}.log"
 
-    def start(self, timeout: float = 60.0) -> OperatorProcess:
+    @property
+    def identity(self) -> str:
+        return f"{self.workdir.name}-{self.proc.pid}" if self.proc else ""
+
+    def start(self, timeout: float = 60.0, lead: bool = True) -> OperatorProcess:
+        """Starts it and waits until it is live, and unless `lead` is False until it holds the Lease (it acts)."""
         self.starts += 1
         entry = ["-c", f"{self.prelude}\nimport sys\nfrom pat_operator.main import main\nsys.exit(main(sys.argv[1:]))"
                  ] if self.prelude else ["-m", "pat_operator.main"]
         argv = [sys.executable, *entry, "--kubeconfig", self.kubeconfig, "--token-key-file",
                 str(self.key_file), "--metrics-port", str(self.metrics_port), "--liveness-port",
-                str(self.liveness_port), "--bind", "127.0.0.1", "--peering", PEERING, *self.extra]
+                str(self.liveness_port), "--bind", "127.0.0.1", "--operator-namespace", SYSTEM_NAMESPACE,
+                "--leader-election-lease", self.lease, *self.extra]
         self.proc = subprocess.Popen(argv, stdout=open(self.log_file, "w"), stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "POD_NAME": self.workdir.name},
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout
-        while not self.live():
+        while not (self.live() and (not lead or self.leading())):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"pat-operator did not start:\n{self.log()}")
+                raise RuntimeError(f"pat-operator did not {'start' if self.live() else 'lead'} (Lease held by "
+                                   f"{self.holder()!r}):\n{self.log()}")
             time.sleep(0.2)
         return self
+
+    def holder(self) -> str | None:
+        """The holderIdentity of its Lease, read with its own credentials (None: no Lease)."""
+        with kubernetes.config.new_client_from_config(self.kubeconfig) as api:
+            try:
+                lease = kubernetes.client.CoordinationV1Api(api).read_namespaced_lease(
+                    self.lease, SYSTEM_NAMESPACE, _request_timeout=10)
+            except ApiException as e:
+                if e.status == 404:
+                    return None
+                raise
+        return lease.spec.holder_identity or ""
+
+    def leading(self) -> bool:
+        """Whether it acts: it holds the Lease, or runs without leader election."""
+        return self.proc is not None and self.proc.poll() is None and (not self.lease or
+                                                                        self.holder() == self.identity)
 
     def live(self) -> bool:
         try:
@@ -130,6 +165,12 @@ class OperatorProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a node lost or an OOM would: no cleanup, the Lease is not released."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
         self.proc = None
 
     def restart(self) -> None:

@@ -13,6 +13,8 @@ import kubernetes
 import pytest
 from kubernetes.client.exceptions import ApiException
 
+from pat_operator import builders
+from pat_operator.api import parse_job
 from tests.cluster.kubelet import POD_NETWORK
 
 from .conftest import SERVE, SLEEP, job_doc, phase
@@ -96,7 +98,7 @@ def test_a_pod_stuck_terminating_on_a_lost_node_is_force_deleted_and_the_job_goe
         jobs.core.patch_node(home, {"spec": {"unschedulable": False}})
     assert {p.spec.node_name for p in jobs.pods("lost")} == {node.node_name}
     node.lose()
-    jobs.core.delete_namespaced_pod("lost-trainer-0", jobs.namespace)  # the eviction of a pod of a lost node
+    jobs.core.delete_namespaced_pod(jobs.pod("lost", "trainer"), jobs.namespace)  # an eviction from a lost node
     time.sleep(3)
     assert all(p.metadata.deletion_timestamp for p in jobs.pods("lost")), "no kubelet confirms the deletions"
     # Each stuck pod goes 2 s after its 30 s grace period; the next attempt then runs on the other node.
@@ -112,14 +114,16 @@ def test_children_are_owned_labelled_and_the_gang_runs_when_all_are_ready(jobs, 
     job = jobs.wait("gang", phase("Running"), "Running")
     uid = created["metadata"]["uid"]
     core = jobs.core
-    for obj in (core.read_namespaced_config_map("gang-spec", jobs.namespace),
-                core.read_namespaced_service("gang", jobs.namespace),
-                core.read_namespaced_secret("gang-token", jobs.namespace), *jobs.pods("gang")):
+    h = builders.uid_suffix(uid)  # in every child's name: a re-created job never takes the old one's
+    for obj in (core.read_namespaced_config_map(f"gang-spec-{h}", jobs.namespace),
+                core.read_namespaced_service(f"gang-{h}", jobs.namespace),
+                core.read_namespaced_secret(f"gang-token-{h}", jobs.namespace), *jobs.pods("gang")):
         (ref,) = obj.metadata.owner_references
         assert (ref.kind, ref.uid, ref.controller) == ("RLHFJob", uid, True)
         assert obj.metadata.labels["pat.dev/job"] == "gang"
-    pods = {p.metadata.name: p for p in jobs.pods("gang")}
+    pods = {p.spec.hostname: p for p in jobs.pods("gang")}
     assert sorted(pods) == ["gang-generator-0", "gang-trainer-0"]
+    assert all(p.metadata.name.startswith(f"{p.spec.hostname}-") for p in pods.values())
     assert all(ipaddress.ip_address(p.status.pod_ip) in POD_NETWORK for p in pods.values())
     assert pods["gang-generator-0"].spec.security_context.run_as_user == 1000
     conditions = {c["type"]: c for c in job["status"]["conditions"]}
@@ -131,15 +135,15 @@ def test_children_are_owned_labelled_and_the_gang_runs_when_all_are_ready(jobs, 
 def test_a_killed_pod_restarts_the_gang_and_past_the_backoff_limit_the_job_stays_failed(jobs, cluster):
     jobs.create(job_doc("flaky", SLEEP, SERVE, backoffLimit=1))
     jobs.wait("flaky", phase("Running"), "Running")
-    first = {p.metadata.name: p.metadata.uid for p in jobs.pods("flaky")}
-    for pid in cluster.kubelet.pids(jobs.namespace, "flaky-trainer-0"):
+    first = {p.spec.hostname: p.metadata.uid for p in jobs.pods("flaky")}
+    for pid in cluster.kubelet.pids(jobs.namespace, jobs.pod("flaky", "trainer")):
         os.kill(pid, signal.SIGKILL)
     job = jobs.wait("flaky", lambda j: j["status"].get("restarts") == 1 and phase("Running")(j), "restarted once")
-    second = {p.metadata.name: p.metadata.uid for p in jobs.pods("flaky")}
+    second = {p.spec.hostname: p.metadata.uid for p in jobs.pods("flaky")}
     assert sorted(second) == sorted(first) and not set(second.values()) & set(first.values())  # the whole gang
     assert all(p.metadata.labels["pat.dev/attempt"] == "1" for p in jobs.pods("flaky"))
     assert any(e.startswith("GangRestart") and "exited with code 137" in e for e in jobs.events("flaky"))
-    for pid in cluster.kubelet.pids(jobs.namespace, "flaky-generator-0"):
+    for pid in cluster.kubelet.pids(jobs.namespace, jobs.pod("flaky", "generator")):
         os.kill(pid, signal.SIGKILL)
     job = jobs.wait("flaky", phase("Failed"), "Failed")
     failed = next(c for c in job["status"]["conditions"] if c["type"] == "Failed")
@@ -165,16 +169,17 @@ def test_suspend_deletes_the_pods_keeps_the_status_and_resume_recreates_them(job
 
 def test_success_keeps_the_trainer_pod_then_ttl_deletes_everything(jobs, cluster):
     cluster.wait_for_garbage_collector("pat.dev/v1alpha1", "RLHFJob", jobs.namespace)
-    jobs.create(job_doc("done", ["python", "-c", "print('trained')"], SERVE, ttlSecondsAfterFinished=4))
+    uid = jobs.create(job_doc("done", ["python", "-c", "print('trained')"], SERVE, ttlSecondsAfterFinished=4))[
+        "metadata"]["uid"]
     job = jobs.wait("done", phase("Succeeded"), "Succeeded")
     assert job["status"]["completionTime"]
-    jobs.wait("done", lambda j: [p.metadata.name for p in jobs.pods("done")] == ["done-trainer-0"],
+    jobs.wait("done", lambda j: [p.spec.hostname for p in jobs.pods("done")] == ["done-trainer-0"],
               "generators deleted, the finished trainer kept for its logs")
     deadline = time.monotonic() + 30
     while jobs.exists("done"):
         assert time.monotonic() < deadline, "the TTL did not delete the job"
         time.sleep(0.5)
-    _wait_gone(lambda: jobs.pods("done") or _children(jobs, "done"), "children garbage-collected")
+    _wait_gone(lambda: jobs.pods("done") or _children(jobs, "done", uid), "children garbage-collected")
 
 
 def test_active_deadline_fails_the_job(jobs):
@@ -186,12 +191,12 @@ def test_active_deadline_fails_the_job(jobs):
 
 def test_delete_garbage_collects_everything_and_leaves_no_finalizer(jobs, cluster):
     cluster.wait_for_garbage_collector("pat.dev/v1alpha1", "RLHFJob", jobs.namespace)
-    jobs.create(job_doc("gone", SLEEP, SERVE))
+    uid = jobs.create(job_doc("gone", SLEEP, SERVE))["metadata"]["uid"]
     jobs.wait("gone", phase("Running"), "Running")
     assert jobs.get("gone")["metadata"].get("finalizers")  # kopf's, while its daemon runs
     jobs.delete("gone")
     _wait_gone(lambda: jobs.exists("gone"), "the job (its finalizer removed)")
-    _wait_gone(lambda: jobs.pods("gone") or _children(jobs, "gone"), "children garbage-collected")
+    _wait_gone(lambda: jobs.pods("gone") or _children(jobs, "gone", uid), "children garbage-collected")
 
 
 def test_operator_restart_mid_job_makes_no_duplicates_and_keeps_the_status(jobs, operator):
@@ -235,13 +240,13 @@ def test_volcano_gets_a_podgroup_owned_by_the_job(jobs, cluster):
             raise
     doc = job_doc("vc", SLEEP, SERVE)
     doc["spec"]["scheduling"] = {"schedulerName": "volcano"}
-    jobs.create(doc)
+    group_name = builders.names(parse_job(doc), jobs.create(doc)["metadata"]["uid"])["podgroup"]
     custom = kubernetes.client.CustomObjectsApi(cluster.api_client())
     deadline = time.monotonic() + 30
     while True:
         try:
             group = custom.get_namespaced_custom_object("scheduling.volcano.sh", "v1beta1", jobs.namespace,
-                                                        "podgroups", "vc")
+                                                        "podgroups", group_name)
             break
         except ApiException as e:
             assert e.status == 404 and time.monotonic() < deadline, "no PodGroup"
@@ -250,7 +255,7 @@ def test_volcano_gets_a_podgroup_owned_by_the_job(jobs, cluster):
     jobs.wait("vc", lambda j: len(jobs.pods("vc")) == 2, "both pods created")  # created after the PodGroup
     pods = jobs.pods("vc")
     assert all(p.spec.scheduler_name == "volcano" for p in pods)
-    assert all(p.metadata.annotations["scheduling.k8s.io/group-name"] == "vc" for p in pods)
+    assert all(p.metadata.annotations["scheduling.k8s.io/group-name"] == group_name for p in pods)
 
 
 def test_the_operator_cannot_read_secrets_and_serves_health_and_metrics(cluster, operator, jobs):
@@ -272,30 +277,13 @@ def test_the_operator_cannot_read_secrets_and_serves_health_and_metrics(cluster,
     assert operator.value("pat_operator_pods_created_total") >= 1
 
 
-def test_two_replicas_never_both_act(jobs, operator, cluster, tmp_path):
-    """kopf peering: a second replica with the same priority makes both pause; once it leaves, the first acts."""
-    jobs.create(job_doc("peer", SLEEP, SERVE))
-    jobs.wait("peer", phase("Running"), "Running")
-    second = OperatorProcess(operator.kubeconfig, tmp_path / "second", "--restart-backoff-seconds", "1")
-    second.key_file.write_text(operator.key_file.read_text())  # replicas share the token key
-    second.start()
-    try:
-        _wait_gone(lambda: "Pausing" not in operator.log(), "the first replica pausing", 30)
-        jobs.patch_spec("peer", {"runPolicy": {"suspend": True}})
-        time.sleep(4)  # neither replica acts while both are paused
-        assert jobs.get("peer")["status"]["phase"] == "Running" and len(jobs.pods("peer")) == 2
-    finally:
-        second.stop()
-    jobs.wait("peer", phase("Suspended"), "Suspended once the second replica left", timeout=60)
-
-
-def _children(jobs, name: str) -> list[str]:
-    found = []
+def _children(jobs, name: str, uid: str) -> list[str]:
+    found, h = [], builders.uid_suffix(uid)
     for kind, read in (("configmap", jobs.core.read_namespaced_config_map),
                        ("secret", jobs.core.read_namespaced_secret), ("service", jobs.core.read_namespaced_service)):
         try:
-            read(f"{name}-spec" if kind == "configmap" else f"{name}-token" if kind == "secret" else name,
-                 jobs.namespace)
+            read(f"{name}-spec-{h}" if kind == "configmap" else f"{name}-token-{h}" if kind == "secret" else
+                 f"{name}-{h}", jobs.namespace)
             found.append(kind)
         except ApiException as e:
             if e.status != 404:

@@ -31,24 +31,31 @@ def test_trainer_pod_is_owned_non_root_and_finds_its_generators():
             checkpoint={"volume": {"persistentVolumeClaim": {"claimName": "ckpt"}}})
     pod = builders.pod(j, "uid-1", "trainer", 0, attempt=3)
     meta, spec = pod["metadata"], pod["spec"]
-    assert meta["name"] == "arithmetic-grpo-trainer-0" and meta["namespace"] == "team"
+    assert meta["name"] == builders.pod_name(j, "uid-1", "trainer", 0, 3) and meta["namespace"] == "team"
+    assert meta["name"].startswith("arithmetic-grpo-trainer-0-") and meta["name"] != builders.pod_name(
+        j, "uid-1", "trainer", 0, 4) != builders.pod_name(j, "uid-2", "trainer", 0, 3)  # unique per attempt and uid
     assert meta["ownerReferences"] == [{"apiVersion": "pat.dev/v1alpha1", "kind": "RLHFJob", "name": "arithmetic-grpo",
                                         "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}]
     assert meta["labels"][builders.LABEL_ATTEMPT] == "3" and meta["labels"][builders.LABEL_ROLE] == "trainer"
     assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
     assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 1000
-    assert (spec["hostname"], spec["subdomain"], spec["nodeSelector"]) == (meta["name"], "arithmetic-grpo",
+    service = builders.names(j, "uid-1")["service"]
+    assert (spec["hostname"], spec["subdomain"], spec["nodeSelector"]) == ("arithmetic-grpo-trainer-0", service,
                                                                            {"gpu": "h200"})
+    assert service == f"arithmetic-grpo-{builders.uid_suffix('uid-1')}"
     (c,) = spec["containers"]
     assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert c["resources"] == {"requests": {"cpu": "4", "nvidia.com/gpu": 2}, "limits": {"nvidia.com/gpu": 2}}
+    assert c["resources"] == {"requests": {"cpu": "4", "nvidia.com/gpu": 2, "ephemeral-storage": "4217Mi"},
+                              "limits": {"nvidia.com/gpu": 2}}  # scratch: /tmp and the tiny model's work dir
     env = env_of(c)
-    assert env["PAT_JOB_TOKEN"] == {"secretKeyRef": {"name": "arithmetic-grpo-token", "key": "token"}}
+    secret = builders.names(j, "uid-1")["token"]
+    assert env["PAT_JOB_TOKEN"] == {"secretKeyRef": {"name": secret, "key": "token"}}
+    assert env["PAT_INFERENCE_TOKEN"] == {"secretKeyRef": {"name": secret, "key": "inference-token"}}
     assert env["NCCL_DEBUG"] == "INFO" and env["OMP_NUM_THREADS"] == "2"  # 4 CPUs for its 2 ranks
     assert env["PAT_ATTEMPT"] == "3" and env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     args = c["args"]
     assert args[0] == "trainer" and args[args.index("--host") + 1] == "$(POD_IP)"
-    assert args[args.index("--generators") + 1] == "http://arithmetic-grpo-generator-0.arithmetic-grpo.team.svc:8000"
+    assert args[args.index("--generators") + 1] == f"http://arithmetic-grpo-generator-0.{service}.team.svc:8000"
     assert {"name": "run", "persistentVolumeClaim": {"claimName": "ckpt"}} in spec["volumes"]
     assert spec["initContainers"][0]["args"][:1] == ["prepare"]  # the tiny model is built in the pod
 
@@ -61,7 +68,7 @@ def launch_options(args: list[str]) -> dict[str, str]:
 
 def test_trainer_pods_run_one_rank_per_gpu_through_torch_distributed_run():
     j = job(trainer={"replicas": 2, "gpusPerPod": 4})
-    host0 = "arithmetic-grpo-trainer-0.arithmetic-grpo.team.svc"
+    host0 = f"arithmetic-grpo-trainer-0.{builders.names(j, 'u')['service']}.team.svc"
     for i in range(2):
         (c,) = builders.pod(j, "u", "trainer", i, 0)["spec"]["containers"]
         assert c["command"] == ["pat"] and c["args"][0] == "trainer"
@@ -90,7 +97,8 @@ def test_pat_trainer_hands_the_pod_command_to_torch_distributed_run(monkeypatch)
 
     from pat_workers.cli import main as pat
 
-    (c,) = builders.pod(job(trainer={"replicas": 2, "gpusPerPod": 4}), "u", "trainer", 1, 0)["spec"]["containers"]
+    j = job(trainer={"replicas": 2, "gpusPerPod": 4})
+    (c,) = builders.pod(j, "u", "trainer", 1, 0)["spec"]["containers"]
     launched = []
     monkeypatch.setattr(run, "main", launched.append)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # else config_from_args sets it in this process
@@ -98,7 +106,7 @@ def test_pat_trainer_hands_the_pod_command_to_torch_distributed_run(monkeypatch)
     config, command, command_args = run.config_from_args(run.parse_args(launched[0]))
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node, config.max_restarts) == (2, 2, 4, 0)
     assert config.rdzv_backend == "static" and config.rdzv_configs["rank"] == 1
-    assert config.rdzv_endpoint == "arithmetic-grpo-trainer-0.arithmetic-grpo.team.svc:29500"
+    assert config.rdzv_endpoint == f"arithmetic-grpo-trainer-0.{builders.names(j, 'u')['service']}.team.svc:29500"
     rank_args = c["args"][c["args"].index("--") + 1:]
     assert command == sys.executable and command_args == ["-u", "-m", "pat_workers.trainer", *rank_args]
     assert pat(c["args"][:c["args"].index("--")]) == 2 and len(launched) == 1  # no `--`: nothing is started
@@ -160,12 +168,12 @@ def test_custom_command_replaces_the_worker_and_its_init_container():
 def test_gang_metadata_for_kueue_and_volcano():
     kueue = builders.pod(job(scheduling={"queueName": "team-a"}), "u", "generator", 1, 2)["metadata"]
     assert kueue["labels"][builders.KUEUE_QUEUE] == "team-a"
-    assert kueue["labels"][builders.KUEUE_GROUP] == "arithmetic-grpo-2"
+    assert kueue["labels"][builders.KUEUE_GROUP] == f"arithmetic-grpo-{builders.uid_suffix('u')}-2"
     assert kueue["annotations"][builders.KUEUE_TOTAL] == "2"
     v = job(scheduling={"schedulerName": "volcano", "priorityClassName": "high"})
     pod = builders.pod(v, "u", "trainer", 0, 0)
     assert pod["spec"]["schedulerName"] == "volcano" and pod["spec"]["priorityClassName"] == "high"
-    assert pod["metadata"]["annotations"][builders.VOLCANO_GROUP] == "arithmetic-grpo"
+    assert pod["metadata"]["annotations"][builders.VOLCANO_GROUP] == builders.names(v, "u")["podgroup"]
     group = builders.volcano_podgroup(v, "u")
     assert group["spec"] == {"minMember": 2, "priorityClassName": "high"} and group["kind"] == "PodGroup"
     assert builders.volcano_podgroup(job(), "u") is None
@@ -180,7 +188,10 @@ def test_configmap_holds_the_validated_spec_with_defaults_and_the_token_is_deriv
     assert doc["spec"]["generator"]["adaptiveTP"]["cooldownSteps"] == 4  # defaults are written out
     a, b = builders.job_token(b"k" * 32, "uid-1"), builders.job_token(b"k" * 32, "uid-2")
     assert a != b and a == builders.job_token(b"k" * 32, "uid-1") and len(a) == 64
-    assert builders.token_secret(j, "u", a)["stringData"] == {"token": a}
+    inference = builders.job_token(b"k" * 32, "u", "inference")
+    assert builders.token_secret(j, "u", b"k" * 32)["stringData"] == {"token": builders.job_token(b"k" * 32, "u"),
+                                                                      "inference-token": inference}
+    assert inference != builders.job_token(b"k" * 32, "u")  # an inference token cannot regroup or send weights
     svc = builders.headless_service(j, "u")["spec"]
     assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"]
 
@@ -198,11 +209,14 @@ def test_every_generated_hostname_and_label_value_is_valid_for_the_longest_job_n
     hostnames = [p["spec"]["hostname"] for p in pods]
     assert all(len(h) <= 63 and label.match(h) for h in hostnames), hostnames
     assert len(set(hostnames)) == len(pods)  # the hash is of the whole name: generator-0 and -1 stay apart
-    assert [p["metadata"]["name"] for p in pods] == [f"{name}-trainer-0", f"{name}-generator-0", f"{name}-generator-1"]
+    assert [p["metadata"]["name"].rsplit("-", 1)[0] for p in pods] == [
+        f"{name}-trainer-0", f"{name}-generator-0", f"{name}-generator-1"]
     for p in pods:
         values = p["metadata"]["labels"].values()
         assert all(len(v) <= 63 and label.match(v) for v in values), p["metadata"]["labels"]
-    assert builders.pod_host(j, "trainer", 0) == f"{hostnames[0]}.{name}.ns.svc"
+    service = builders.names(j, "u")["service"]
+    assert len(service) <= 63 and label.match(service) and service == pods[0]["spec"]["subdomain"]
+    assert builders.pod_host(j, "u", "trainer", 0) == f"{hostnames[0]}.{service}.ns.svc"
     assert builders.fit_label("short-name") == "short-name"  # names that fit are kept as they are
 
 
@@ -213,7 +227,7 @@ def test_a_colocated_job_runs_one_gang_of_pods_each_with_both_roles():
                      "volumeMounts": [{"name": "data", "mountPath": "/data"}]})
     assert builders.expected_pods(j) == [("worker", 0), ("worker", 1)]
     pod = builders.pod(j, "uid-1", "worker", 1, 0)
-    assert pod["metadata"]["name"] == f"{j.metadata.name}-worker-1"
+    assert pod["metadata"]["name"].startswith(f"{j.metadata.name}-worker-1-")
     (c,) = pod["spec"]["containers"]
     args = c["args"]
     assert args[0] == "colocated" and args[args.index("--pod-index") + 1] == "1"

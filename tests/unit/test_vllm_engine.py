@@ -297,26 +297,29 @@ def test_the_event_names_engine_pats_metrics_for_engine_pat():
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
-def test_decide_writes_the_queues_into_the_status_and_posts_one_event_per_busy_spell():
+def test_decide_keeps_queue_depths_out_of_the_status_and_posts_the_observations_queue_events():
+    """A busy job's queues change every few seconds: in the status they would be a write each time. They stay in
+    Prometheus; the GeneratorQueue event the observer made of them is posted once."""
     doc = example()
     doc["metadata"].update(namespace="ns", uid="uid-1", generation=1)
-    first = decide(Observed(doc, [], T0, "tok"))
+    first = decide(Observed(doc, [], T0, b"k" * 16))
     pods = [pod_view({**p, "status": {"phase": "Running", "podIP": "10.0.0.9",
                                       "conditions": [{"type": "Ready", "status": "True"}],
                                       "containerStatuses": [{"name": "x", "state": {"running": {}}}]}})
             for p in first.create_pods]
     doc["status"] = first.status
-    pod = "arithmetic-grpo-vllm-generator-0"
-    queue_reasons = []
-    for i, (running, waiting) in enumerate([(None, None), (12, 52), (30, 10), (0, 0), (0, 0), (1, 0)]):
-        observed = {pod: GeneratorPodStatus(pod=pod, running=running, waiting=waiting)}
-        d = decide(Observed(copy.deepcopy(doc), pods, T0 + timedelta(seconds=i + 1), "tok", generators=observed))
-        doc["status"] = d.status  # as if the status patch were applied
-        (g,) = d.status["generators"]
-        assert (g.get("running"), g.get("waiting")) == (running, waiting)
-        queue_reasons.append([e.message for e in d.events if e.reason == "GeneratorQueue"])
-    assert queue_reasons == [[], [f"pod {pod}: 12 running, 52 waiting (vllm:num_requests_*)"], [], [], [],
-                             [f"pod {pod}: 1 running, 0 waiting (vllm:num_requests_*)"]]
+    pod = next(p.name for p in pods if p.role == "generator")
+    busy = queue_event(GeneratorPodStatus(pod=pod), GeneratorPodStatus(pod=pod, running=12, waiting=52), "vllm")
+    observed = {pod: GeneratorPodStatus(pod=pod, layout=[1], running=12, waiting=52)}
+    d = decide(Observed(copy.deepcopy(doc), pods, T0 + timedelta(seconds=1), b"k" * 16, generators=observed,
+                        queue_events=(busy,)))
+    (g,) = d.status["generators"]
+    assert g["layout"] == [1] and "running" not in g and "waiting" not in g
+    assert [e.message for e in d.events if e.reason == "GeneratorQueue"] == [
+        f"pod {pod}: 12 running, 52 waiting (vllm:num_requests_*)"]
+    doc["status"] = d.status
+    again = decide(Observed(copy.deepcopy(doc), pods, T0 + timedelta(seconds=2), b"k" * 16, generators=observed))
+    assert again.status == d.status and again.events == []  # a new depth alone writes nothing, posts nothing
 
 
 class FakePrometheus:
@@ -360,8 +363,9 @@ async def _observe_queues() -> tuple[list, OperatorMetrics, FakePrometheus]:
 
             async def observe() -> None:
                 observer.last = 0.0
-                _, generators = await observer.observe(body, pods)
+                _, generators, events = await observer.observe(body, pods)
                 seen.append({n: (g.running, g.waiting, g.regroups) for n, g in sorted(generators.items())})
+                seen.append([e.message for e in events])
 
             prometheus.running, prometheus.waiting = {"g-0": "12", "g-1": "0"}, {"g-0": "52"}
             await observe()
@@ -379,10 +383,11 @@ async def _observe_queues() -> tuple[list, OperatorMetrics, FakePrometheus]:
 
 def test_the_observer_reads_the_queues_from_prometheus_and_keeps_the_last_on_errors():
     seen, metrics, prometheus = asyncio.run(_observe_queues())
-    assert seen == [{"g-0": (12, 52, 2), "g-1": (0, None, 0)},
-                    {"g-0": (12, 52, 2), "g-1": (0, None, 0)},
-                    {"g-0": (12, 52, 2), "g-1": (3, 1, 0)},
-                    {"g-0": (12, 52, 2), "g-1": (3, 1, 0)}]
+    busy = "running, {} waiting (pat_generator_requests_*)"
+    assert seen == [{"g-0": (12, 52, 2), "g-1": (0, None, 0)}, ["pod g-0: 12 " + busy.format(52)],
+                    {"g-0": (12, 52, 2), "g-1": (0, None, 0)}, [],
+                    {"g-0": (12, 52, 2), "g-1": (3, 1, 0)}, ["pod g-1: 3 " + busy.format(1)],
+                    {"g-0": (12, 52, 2), "g-1": (3, 1, 0)}, []]  # each busy spell's event once
     errors = {r: metrics.prometheus_errors.labels(r)._value.get() for r in ("QueryFailed", "PrometheusUnreachable")}
     assert errors == {"QueryFailed": 1, "PrometheusUnreachable": 1}
     assert len(prometheus.queries) == 6 and all('pod=~"g-0|g-1"' in q for q in prometheus.queries)
@@ -394,7 +399,7 @@ def test_without_a_prometheus_url_the_observer_queries_nothing():
             observer = _Observer(SimpleNamespace(session=session), "token", None)  # no metrics, no autoscale: unused
             pods = [SimpleNamespace(name="g-0", role="generator", index=0, phase="Running", ip="127.0.0.1",
                                     deleting=False, ready=True)]
-            _, generators = await observer.observe({"metadata": {"namespace": "ns"},
+            _, generators, _ = await observer.observe({"metadata": {"namespace": "ns"},
                                                     "spec": {"generator": {"port": 1}}}, pods)
             return generators
     assert asyncio.run(run()) == {}

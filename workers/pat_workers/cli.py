@@ -56,7 +56,7 @@ def _validate(argv: list[str]) -> int:
     Kubernetes API server accepts (manifests.kubernetes_errors)."""
     import yaml
 
-    from pat_operator.api import API_VERSION, KIND, parse_job
+    from pat_operator.api import API_VERSION, KIND, parse_job, require_unprivileged
     from pat_operator.fit import FitError, require_fit
 
     from .manifests import KUBERNETES_VERSION, kubernetes_errors, kubernetes_version_error
@@ -66,6 +66,9 @@ def _validate(argv: list[str]) -> int:
     ap.add_argument("file", help="YAML with one or more RLHFJob documents")
     ap.add_argument("--kubernetes-version", default=KUBERNETES_VERSION,
                     help=f"the API server whose schemas the job's objects must pass (default {KUBERNETES_VERSION})")
+    ap.add_argument("--allow-privileged-pods", action="store_true",
+                    help="accept hostPath volumes in the job's own pod fields, as the operator does with "
+                         "--allow-privileged-pods (the chart value jobPods.allowPrivileged)")
     args = ap.parse_args(argv)
     if error := kubernetes_version_error(args.kubernetes_version):
         ap.error(f"--kubernetes-version {args.kubernetes_version}: {error}")
@@ -87,6 +90,8 @@ def _validate(argv: list[str]) -> int:
                 raise JobSpecError(f"{source} is invalid:\n  kind: {kind!r} is not {KIND}; pat validate checks "
                                    f"RLHFJob documents only (apiVersion: {API_VERSION}, kind: {KIND})")
             job = parse_job(doc, source)
+            if not args.allow_privileged_pods:
+                require_unprivileged(job.spec, source)
             require_fit(job.spec, source, spec_shape(job.spec))
             if errors := kubernetes_errors(job, args.kubernetes_version):
                 raise JobSpecError(f"{source} is invalid: Kubernetes would refuse its objects:\n  "

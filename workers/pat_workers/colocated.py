@@ -28,7 +28,9 @@ STOP_SECONDS = 20.0  # a child's grace period after SIGTERM
 def command_lines(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The generator's and the trainer's arguments after `pat`."""
     spec = load_job(args.job).spec
-    generator = commands.generator_args(spec, args.model, args.generator_host, args.token_file)
+    # Trainer rank 0, on pod 0 (master_addr), hosts the job's weight-sync store.
+    generator = commands.generator_args(spec, args.model, args.generator_host, args.token_file,
+                                        args.inference_token_file, weights_store=args.master_addr)
     if spec.generator.gpus_per_pod:
         reserved = trainer_resident_bytes(spec, read_shape(Path(args.model) / "config.json"))
         generator += ["--reserved-bytes", str(int(reserved))]
@@ -64,7 +66,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--master-addr", required=True, help="pod 0's address: the trainer's rendezvous")
     ap.add_argument("--master-port", type=int, required=True)
     ap.add_argument("--metrics-port", type=int, default=0)
-    ap.add_argument("--token-file", help="the job's bearer token (default: env PAT_JOB_TOKEN)")
+    ap.add_argument("--token-file", help="the job's control token (default: env PAT_JOB_TOKEN)")
+    ap.add_argument("--inference-token-file", help="the job's inference token, for the generator (default: env "
+                    "PAT_INFERENCE_TOKEN)")
     ap.add_argument("--bind", help="the trainer's metrics address (default: --host)")
     generator_args, trainer_args = command_lines(ap.parse_args(argv))
     spawn = lambda args: subprocess.Popen([sys.executable, "-m", "pat_workers.cli", *args])  # noqa: E731

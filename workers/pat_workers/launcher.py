@@ -1,6 +1,7 @@
 """`pat run JOB.yaml`: an RLHFJob as local processes -- the gang the operator runs as pods, on one machine.
 
-Prepares the run folder (validated job, tiny model with its tokenizer, job token), starts the generator pods and
+Prepares the run folder (validated job, tiny model with its tokenizer, the job's control and inference tokens),
+starts the generator pods and
 then the trainer pods (each `pat trainer`: torch.distributed.run and the pod's ranks), or for placement colocated
 the job's pods (each `pat colocated`: its generator and trainer ranks), and supervises them as one gang: when any
 process fails, every process is stopped and the gang starts again (at most spec.runPolicy.backoffLimit times); the
@@ -37,7 +38,7 @@ from tqdm import tqdm
 from pat_operator.api import ModelSource, RLHFJob, RLHFJobSpec
 from pat_operator.commands import colocated_args, generator_args, trainer_args
 from pat_operator.fit import read_shape
-from pat_operator.podclient import PodClient
+from pat_operator.podclient import PodClient, http_url
 
 from . import report
 from .ports import free_port
@@ -46,6 +47,8 @@ from .engine.tiny import make_tiny_model
 from .trainer import data
 
 POLL_S = 0.1
+HOST = "127.0.0.1"  # every process's address; trainer rank 0 hosts the weight-sync store here
+TOKENS = ("token", "inference-token")  # the run folder's token files: the control token, the inference token
 DATASET_VOCAB = 64  # tokens of a tokenizer trained on the dataset
 
 
@@ -58,10 +61,11 @@ def prepare(job: RLHFJob, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.yaml").write_text(yaml.safe_dump(job.model_dump(by_alias=True, exclude_none=True),
                                                      sort_keys=False))
-    token = run_dir / "token"
-    if not token.exists():
-        token.write_text(secrets.token_urlsafe(32))
-        token.chmod(0o600)
+    for name in TOKENS:
+        token = run_dir / name
+        if not token.exists():
+            token.write_text(secrets.token_urlsafe(32))
+            token.chmod(0o600)
     if job.spec.model.path:
         return Path(job.spec.model.path)
     return prepare_model(job.spec, run_dir / "model", data_dir=run_dir)
@@ -139,8 +143,9 @@ class LocalRun:
         the pods are ready); or the colocated pods. Every generator listens on a port of its own, as pods on
         separate addresses would."""
         ports = [free_port() for _ in range(self.spec.generator.replicas)]
-        gang = Gang(attempt, [f"http://127.0.0.1:{p}" for p in ports])
-        token, job_file, master = str(self.run_dir / "token"), str(self.run_dir / "job.yaml"), free_port()
+        gang = Gang(attempt, [http_url(HOST, p) for p in ports])
+        token, inference_token = (str(self.run_dir / name) for name in TOKENS)
+        job_file, master = str(self.run_dir / "job.yaml"), free_port()
         env = {"PAT_ATTEMPT": str(attempt)}
         spec_at = lambda port: self.spec.model_copy(  # noqa: E731
             update={"generator": self.spec.generator.model_copy(update={"port": port})})
@@ -151,16 +156,16 @@ class LocalRun:
                 pod_job.write_text(yaml.safe_dump(self.job.model_copy(update={"spec": spec_at(port)}).model_dump(
                     by_alias=True, exclude_none=True), sort_keys=False))
                 self._spawn(gang, f"pod-{i}", colocated_args(
-                    spec_at(port), str(pod_job), str(self.model), str(self.run_dir), gang.pods, "127.0.0.1", i,
-                    "127.0.0.1", master, "127.0.0.1", token_file=token), env)
+                    spec_at(port), str(pod_job), str(self.model), str(self.run_dir), gang.pods, HOST, i, HOST, master,
+                    HOST, token_file=token, inference_token_file=inference_token), env)
             return gang
         for i, port in enumerate(ports):
-            self._spawn(gang, f"generator-{i}", generator_args(spec_at(port), str(self.model), "127.0.0.1", token),
-                        env)
+            self._spawn(gang, f"generator-{i}", generator_args(spec_at(port), str(self.model), HOST, token,
+                                                               inference_token, weights_store=HOST), env)
         for i in range(self.spec.trainer.replicas):
             self._spawn(gang, f"trainer-{i}", trainer_args(
-                self.spec, job_file, str(self.model), str(self.run_dir), gang.pods, "127.0.0.1", i, "127.0.0.1",
-                master, token_file=token), env)
+                self.spec, job_file, str(self.model), str(self.run_dir), gang.pods, HOST, i, HOST, master,
+                token_file=token), env)
         return gang
 
     async def _attempt(self, attempt: int, bar: tqdm | None) -> str | None:

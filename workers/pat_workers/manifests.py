@@ -11,15 +11,20 @@ from typing import Any
 from pat_operator import builders
 from pat_operator.api import RLHFJob
 
-# Stand-ins for what the API server (the job's uid) and the operator's key (the pods' token) make.
-UID, TOKEN = "00000000-0000-0000-0000-000000000000", "<derived by the operator from its key and the job's uid>"
+# Stand-ins for what the API server (the job's uid) and the operator's key (the pods' tokens) make.
+UID, KEY = "00000000-0000-0000-0000-000000000000", b"pat manifests: a stand-in for the operator's key"
+TOKEN = "<derived by the operator from its key and the job's uid>"
 KUBERNETES_VERSION = "1.30.0"  # the oldest release the docs say was tested; a field it lacks is refused
 
 
 def objects(job: RLHFJob) -> list[dict[str, Any]]:
     """The operator's own builders, at the gang's first attempt."""
-    return builders.job_objects(job, UID, TOKEN) + [builders.pod(job, UID, role, i, 0)
-                                                    for role, i in builders.expected_pods(job)]
+    made = builders.job_objects(job, UID, KEY) + [builders.pod(job, UID, role, i, 0)
+                                                  for role, i in builders.expected_pods(job)]
+    for obj in made:
+        if obj["kind"] == "Secret":
+            obj["stringData"] = {key: TOKEN for key in obj["stringData"]}
+    return made
 
 
 def kubernetes_errors(job: RLHFJob, version: str = KUBERNETES_VERSION) -> list[str]:

@@ -5,6 +5,11 @@ TCPStore, and every member builds the group stateless from it (PrefixStore + Pro
 in-pod communicators are untouched and its ranks join only when the first weight update arrives (then the group
 is cached). Weight-group rank 0 is the trainer; generator rank r of a pod is its rank_offset + r.
 
+The trainer forms a new group when its members change (a generator pod restarted alone joins with the initial
+weights; the old group has a dead member), possibly at the same address (a fixed port). Each group's store holds a
+group id of its own: a receiver connects afresh at every round, and when the id differs from its group's, it leaves
+that group for the new one.
+
 One round (one `send`, one `receive` on every generator rank):
   1. each receiver publishes its dtype under the round's keys; the sender waits for all and agrees on one;
   2. the sender publishes the manifest: version, dtype, every tensor's name and shape in sorted(name) order;
@@ -16,7 +21,9 @@ One round (one `send`, one `receive` on every generator rank):
      every layout sees the new weights). The sender streams: it takes each full tensor from an iterator (the
      trainer gathers them one at a time from its FSDP shards) and holds at most one bucket.
 A failure inside step 4 (a peer died mid-transfer) leaves the receivers' weights half-updated: it is raised as
-is, and the pod must restart.
+is, and the pod must restart. A receiver whose group or store fails in steps 1-3 (a member died before any tensor
+moved, and the trainer gave the group up) raises WeightSyncError instead, its weights unchanged, and leaves the
+group: the trainer sends the round again in a new one.
 
 Placement colocated hands the weights over inside the pod instead, through the device (DeviceSender / DeviceReceiver):
 each trainer rank passes the full tensors it gathers anyway to the engine rank on its own device, through one
@@ -31,6 +38,7 @@ import datetime
 import hashlib
 import json
 import math
+import secrets
 import time
 from multiprocessing.connection import Client, Connection, Listener
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -40,6 +48,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 STORE_PREFIX = "pat-weights/"
+GROUP_KEY = "group"  # the store's group id: a receiver whose group has another id joins the store's group anew
 BACKENDS = ("gloo", "nccl")
 BUCKET_BYTES = 256 << 20
 # The in-pod hand-over's staging buffer, held only during a round: a small part of any model (the 45 MB demo model
@@ -93,17 +102,16 @@ def _device(backend: str) -> torch.device:
 class _Member:
     """What both ends share: the store, the group, the round counter and the round's collectives."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int, backend: str, timeout: float):
+    def __init__(self, store: dist.Store | None, rank: int, world: int, backend: str, timeout: float):
         self.store, self.rank, self.world, self.backend = store, rank, world, backend
         self.timeout = datetime.timedelta(seconds=timeout)
         self.group = None  # built at the first round: it waits for every member
         self.round = 0
 
-    def _begin(self) -> str:
-        if self.group is None:
-            self.group = _group(self.store, self.rank, self.world, self.backend, self.timeout)
-        self.round += 1
-        return f"round{self.round}/"
+    def _join(self, store: dist.Store) -> None:
+        """Builds this member's group from `store` (it waits for every member); the round count starts again."""
+        self.group = _group(store, self.rank, self.world, self.backend, self.timeout)
+        self.round = 0
 
     def _refusals(self, refused: bool) -> int:
         flag = torch.tensor([int(refused)], dtype=torch.int64, device=_device(self.backend))
@@ -118,10 +126,11 @@ class _Member:
         self.group.broadcast([tensor], opts).wait()
 
     def close(self) -> None:
-        """Shuts the group down (either end; a member that joins another group closes its old one)."""
+        """Shuts the group down and lets the store go (either end; a member that joins another group closes its old
+        one; the sender's store, once freed, stops listening)."""
         if self.group is not None:
             self.group.shutdown()
-        self.group = None
+        self.group = self.store = None
 
 
 class WeightSender(_Member):
@@ -133,8 +142,15 @@ class WeightSender(_Member):
             raise ValueError(f"weight-sync world={world}: the trainer plus at least one generator rank")
         host, port = parse_address(address)
         store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        store.set(GROUP_KEY, secrets.token_hex(8))
         super().__init__(store, 0, world, backend, timeout)
         self.address = f"{host}:{store.port}"
+
+    def _begin(self) -> str:
+        if self.group is None:
+            self._join(self.store)
+        self.round += 1
+        return f"round{self.round}/"
 
     def send(self, shapes: Mapping[str, Sequence[int]], tensors: Iterable[tuple[str, torch.Tensor]],
              version: int, bucket_bytes: int = BUCKET_BYTES) -> None:
@@ -175,10 +191,24 @@ class WeightReceiver(_Member):
     def __init__(self, address: str, world: int, rank: int, backend: str = "gloo", timeout: float = 300.0):
         if not 1 <= rank < world:
             raise ValueError(f"weight-sync rank {rank} is outside 1..{world - 1} (rank 0 is the trainer)")
-        host, port = parse_address(address)
-        store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
-        super().__init__(store, rank, world, backend, timeout)
+        parse_address(address)
+        super().__init__(None, rank, world, backend, timeout)
         self.address = address
+        self.group_id: str | None = None
+
+    def _begin(self) -> str:
+        """Connects to the store (a new connection every round: the store may be a new group's at the same
+        address) and joins its group unless this member is in it already."""
+        store = dist.TCPStore(*parse_address(self.address), None, False, self.timeout)
+        # A trainer that sets no group id (an older release) keeps one group per address.
+        group_id = store.get(GROUP_KEY).decode() if store.check([GROUP_KEY]) else ""
+        if self.group is None or group_id != self.group_id:
+            self.close()
+            self._join(store)
+            self.group_id = group_id
+        self.store = store
+        self.round += 1
+        return f"round{self.round}/"
 
     def receive(self, weights: dict[str, torch.Tensor], version: int,
                 shapes: Mapping[str, Sequence[int]] | None = None) -> None:
@@ -221,14 +251,21 @@ class WeightReceiver(_Member):
 
     def _open(self, held: Mapping[str, tuple[int, ...]], dtype: str, version: int) -> dict:
         """Steps 1-3 of a round: publishes this member's dtype, checks the manifest against what it holds, and
-        votes. Returns the manifest, or raises WeightSyncError when any member refused."""
-        prefix = self._begin()
-        self.store.set(f"{prefix}dtype/{self.rank}", dtype)
-        manifest = json.loads(self.store.get(f"{prefix}manifest"))
-        problem = check_manifest(manifest, held, dtype, version)
-        if problem:
-            self.store.set(f"{prefix}refused/{self.rank}", f"rank {self.rank}: {problem}")
-        if self._refusals(problem is not None):
+        votes. Returns the manifest, or raises WeightSyncError when any member refused, or when the group or its
+        store failed meanwhile."""
+        try:
+            prefix = self._begin()
+            self.store.set(f"{prefix}dtype/{self.rank}", dtype)
+            manifest = json.loads(self.store.get(f"{prefix}manifest"))
+            problem = check_manifest(manifest, held, dtype, version)
+            if problem:
+                self.store.set(f"{prefix}refused/{self.rank}", f"rank {self.rank}: {problem}")
+            refusals = self._refusals(problem is not None)
+        except RuntimeError as e:  # torch's store and group errors: no tensor has moved
+            self.close()
+            raise WeightSyncError(f"weight version {version}: the weight-sync group at {self.address} failed before "
+                                  f"any weight moved: {e}") from e
+        if refusals:
             raise WeightSyncError(problem or f"weight version {manifest['version']} refused by another rank")
         return manifest
 

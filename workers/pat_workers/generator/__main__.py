@@ -25,7 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, required=True, help="engine ranks (a power of two)")
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
-    ap.add_argument("--token-file", help="the job's bearer token (default: env PAT_JOB_TOKEN)")
+    ap.add_argument("--token-file", help="the job's control token, which every endpoint takes (default: env "
+                    "PAT_JOB_TOKEN)")
+    ap.add_argument("--inference-token-file", help="the job's inference token, which only POST /v1/rollouts and "
+                    "GET /v1/rollouts/{batch} take (default: env PAT_INFERENCE_TOKEN; none: no inference token)")
+    ap.add_argument("--weights-store", help="HOST or HOST:PORT of the job's weight-sync store (its trainer's rank 0): "
+                    "POST /v1/weights takes only it, comparing the addresses HOST resolves to when an update comes "
+                    "(default: any store)")
     ap.add_argument("--controller", choices=("pod", "operator"), default="pod",
                     help="pod: plan regroups here; operator: apply the operator's plans (POST /v1/regroup)")
     ap.add_argument("--margin", type=float, default=0.1, help="regroup when the predicted gain beats its cost by "
@@ -64,16 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     vllm.add_argument("--vllm-python", default=os.environ.get("PAT_VLLM_PYTHON", sys.executable),
                       help="the interpreter that has vLLM (default: env PAT_VLLM_PYTHON, else this one)")
     args = ap.parse_args(argv)
-    try:
-        token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("PAT_JOB_TOKEN", "")
-    except OSError as e:
-        ap.error(f"--token-file: {e}")
-    if not token:
+    control = _token(ap, "--token-file", args.token_file, "PAT_JOB_TOKEN")
+    if not control:
         ap.error("no token: set --token-file FILE or PAT_JOB_TOKEN (the job's Secret); every endpoint but "
                  "/healthz, /readyz and /metrics needs it")
+    inference = _token(ap, "--inference-token-file", args.inference_token_file, "PAT_INFERENCE_TOKEN")
+    # Imported once the arguments parse: --help and argument errors answer without loading torch.
+    from .errors import WeightStore
+    from .server import Tokens, make_app, serve
+
+    try:
+        store = WeightStore.parse(args.weights_store) if args.weights_store else None
+        tokens = Tokens(control, inference or None)
+    except ValueError as e:
+        ap.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # Imported once the arguments are good: --help and argument errors answer without loading torch.
-    from .server import make_app, serve
 
     tp_sizes = tuple(int(t) for t in args.tp_sizes.split(",")) if args.tp_sizes else ()
     try:
@@ -85,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                                      args.max_model_len, args.dtype, device, args.enforce_eager, args.tokenizer,
                                      tuple(args.vllm_arg), args.vllm_python, tp_sizes, args.controller,
                                      args.margin, args.profile))
-            app = make_vllm_app(pod, token)
+            app = make_vllm_app(pod, tokens, store)
         else:
             from ..engine.rank import EngineOptions
             from .coordinator import Coordinator, PodConfig
@@ -96,12 +107,21 @@ def main(argv: list[str] | None = None) -> int:
                                     reserved_bytes=args.reserved_bytes, compile_step=args.compile_step)
             pod = Coordinator(PodConfig(args.model, args.ranks, options, args.controller, args.margin,
                                         args.cooldown_steps, args.guard, args.profile, args.tokenizer, tp_sizes or None,
-                                        args.tensor_parallel_size), token=token)
-            app = make_app(pod, token)
+                                        args.tensor_parallel_size), token=control)
+            app = make_app(pod, tokens, store)
     except (OSError, ValueError) as e:  # a bad model directory, option or profile file
         print(f"pat generator: {e}", file=sys.stderr)
         return 2
     return asyncio.run(serve(pod, app, args.host, args.port, announce=lambda line: print(line, flush=True)))
+
+
+def _token(ap: argparse.ArgumentParser, flag: str, path: str | None, env: str) -> str:
+    """The token in the file `path`, else in the environment variable `env` ("" if neither)."""
+    try:
+        return Path(path).read_text().strip() if path else os.environ.get(env, "").strip()
+    except OSError as e:
+        ap.error(f"{flag}: {e}")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,9 +3,11 @@ also carry the vLLM pod's (vllm.py).
 
 aiohttp because kopf, the operator's framework, is built on it: the operator's client and the pods share one
 maintained async HTTP stack. The payloads are the pydantic models of pat_operator.podapi, whose docstring lists
-the endpoints. Every endpoint but /healthz, /readyz and /metrics needs `Authorization: Bearer <job token>`
-(401 otherwise); errors are JSON {"error": "..."}: 422 for a malformed payload (naming the field's path), 409 for
-a request that conflicts with what the pod is doing, 404 for an unknown batch, 503 while the pod starts or stops.
+the endpoints. Every endpoint but /healthz, /readyz and /metrics needs `Authorization: Bearer <token>`: the job's
+control token, or for INFERENCE_ENDPOINTS its inference token too (no or an unknown token: 401; the inference token
+elsewhere: 403). Errors are JSON {"error": "..."}: 422 for a malformed payload (naming the field's path), 409 for
+a request that conflicts with what the pod is doing, 403 for weights from a store not the job's, 404 for an unknown
+batch, 503 while the pod starts or stops.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hmac
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
@@ -22,16 +25,31 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from pat_operator.podapi import RegroupPlan, RolloutBatch, WeightUpdate
+from pat_operator.podclient import http_url
 
-from .errors import Invalid, PodError
+from .errors import Invalid, PodError, WeightStore, check_weight_source
 
 if TYPE_CHECKING:  # the vLLM pod serves through this module without loading the engine's torch code
     from .coordinator import Coordinator
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+# What the inference token grants (as METHOD, route): rollouts and their results, nothing that changes the pod.
+INFERENCE_ENDPOINTS = (("POST", "/v1/rollouts"), ("GET", "/v1/rollouts/{batch_id}"))
 MAX_WAIT_SECONDS = 60.0  # the longest a GET /v1/rollouts/{id}?wait= holds the connection
 MAX_BODY_BYTES = 64 << 20  # a rollout batch of thousands of long token-id prompts
 SHUTDOWN_SECONDS = 5.0  # what in-flight requests get on SIGTERM
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The job's bearer tokens: `control` grants every endpoint, `inference` (if any) only INFERENCE_ENDPOINTS."""
+    control: str
+    inference: str | None = None
+
+    def __post_init__(self):
+        if self.inference == self.control:
+            raise ValueError("the inference token equals the control token: it would grant every endpoint; give "
+                             "the job Secret's key inference-token")
 
 
 def describe(error: ValidationError) -> str:
@@ -81,9 +99,10 @@ def _wait_seconds(raw: str | None) -> float:
     return min(max(wait, 0.0), MAX_WAIT_SECONDS)
 
 
-def pod_app(token: str, routes: list[web.RouteDef]) -> web.Application:
-    """An app of `routes` behind the pod's error handling and the job token (all but OPEN_PATHS)."""
-    expected = f"Bearer {token}".encode()
+def pod_app(tokens: Tokens, routes: list[web.RouteDef]) -> web.Application:
+    """An app of `routes` behind the pod's error handling and the job's tokens (all but OPEN_PATHS)."""
+    control = f"Bearer {tokens.control}".encode()
+    inference = f"Bearer {tokens.inference}".encode() if tokens.inference else None
 
     @web.middleware
     async def errors(request: web.Request, handler) -> web.StreamResponse:
@@ -98,17 +117,29 @@ def pod_app(token: str, routes: list[web.RouteDef]) -> web.Application:
 
     @web.middleware
     async def authenticate(request: web.Request, handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS:
+            return await handler(request)
         sent = request.headers.get("Authorization", "").encode()
-        if request.path not in OPEN_PATHS and not hmac.compare_digest(sent, expected):
-            return _error(401, "missing or wrong token: send 'Authorization: Bearer <the job's token>'")
-        return await handler(request)
+        # Both compared in constant time, each time: the answer's timing tells nothing about either token.
+        is_control = hmac.compare_digest(sent, control)
+        is_inference = inference is not None and hmac.compare_digest(sent, inference)
+        endpoint = (request.method, getattr(request.match_info.route.resource, "canonical", request.path))
+        if is_control or (is_inference and endpoint in INFERENCE_ENDPOINTS):
+            return await handler(request)
+        if is_inference:
+            return _error(403, f"{' '.join(endpoint)} needs the job's control token (its Secret's key token, "
+                               f"PAT_JOB_TOKEN); the inference token grants only "
+                               f"{' and '.join(' '.join(e) for e in INFERENCE_ENDPOINTS)}")
+        return _error(401, "missing or unknown token: send 'Authorization: Bearer <the job's control token>' (or "
+                           "its inference token, for rollouts)")
 
     app = web.Application(middlewares=[errors, authenticate], client_max_size=MAX_BODY_BYTES)
     app.add_routes(routes)
     return app
 
 
-def make_app(coordinator: Coordinator, token: str) -> web.Application:
+def make_app(coordinator: Coordinator, tokens: Tokens, store: WeightStore | None = None) -> web.Application:
+    """Engine pat's pod API; `store`: the job's weight-sync store, the only one POST /v1/weights takes (None: any)."""
     c = coordinator
 
     async def submit(request: web.Request) -> web.Response:
@@ -133,6 +164,7 @@ def make_app(coordinator: Coordinator, token: str) -> web.Application:
 
     async def weights(request: web.Request) -> web.Response:
         update = await _payload(request, WeightUpdate)
+        await check_weight_source(update, store, tokens.control)
         return _reply(await _ask(c, c.update_weights, update), 202)
 
     async def sleep(request: web.Request) -> web.Response:
@@ -159,7 +191,7 @@ def make_app(coordinator: Coordinator, token: str) -> web.Application:
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(c.gen.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    return pod_app(token, [
+    return pod_app(tokens, [
         web.post("/v1/rollouts", submit), web.get("/v1/rollouts/{batch_id}", batch_status),
         web.post("/v1/regroup", regroup), web.post("/v1/weights", weights), web.post("/v1/sleep", sleep),
         web.post("/v1/wake_up", wake_up), web.get("/v1/state", state), web.get("/healthz", healthz),
@@ -179,7 +211,8 @@ class Pod(Protocol):
 async def serve(pod: Pod, app: web.Application, host: str, port: int, announce: Callable[[str], None] = print) -> int:
     """Serves until SIGTERM/SIGINT (then 0) or until the pod fails, e.g. a rank died (then 1; the failure is the
     last line on stderr, which Kubernetes keeps as the container's termination message). Listens first
-    (`announce` gets 'listening on http://HOST:PORT'), then starts the engines: /readyz says when they are up."""
+    (`announce` gets 'listening on http://HOST:PORT', an IPv6 HOST in brackets), then starts the engines: /readyz
+    says when they are up."""
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_SECONDS)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -189,7 +222,7 @@ async def serve(pod: Pod, app: web.Application, host: str, port: int, announce: 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     pod.start(on_exit=lambda: loop.call_soon_threadsafe(stop.set))
-    announce(f"listening on http://{host}:{runner.addresses[0][1]}")
+    announce(f"listening on {http_url(host, runner.addresses[0][1])}")
     try:
         await stop.wait()
     finally:

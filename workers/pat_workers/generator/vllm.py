@@ -19,8 +19,9 @@ a pod of this project's engine. vLLM cannot change an engine's tensor_parallel_s
   trainer's image needs no vLLM (vLLM's own init_weight_transfer_engine would).
 - /metrics: the pod's own pat_generator_* series, then every engine's vllm:* series labelled engine=<index> (read
   from the engines every 0.5 s, so that a scrape never waits on a busy engine).
-- Anything else under /v1 (completions, chat, models, ...) is proxied to an engine behind the job's token, so
-  vLLM's OpenAI API stays usable against the current policy (model name "policy").
+- Anything else under /v1 (completions, chat, models, ...) is proxied to an engine behind the job's control token
+  (vLLM's /v1 has endpoints that change the engine, e.g. LoRA adapters), so vLLM's OpenAI API stays usable against
+  the current policy (model name "policy").
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ from pat_operator.podapi import (BatchStatus, Completion, GroupState, PodState, 
 
 from ..engine.loader import weight_shapes
 from ..engine.metrics import REGROUP_OUTCOMES, EngineMetrics, group_label
-from .errors import Conflict, Invalid, NotFound, Unavailable, check_plan, check_weight_update
-from .server import _payload, _reply, _wait_seconds, pod_app
+from .errors import (Conflict, Invalid, NotFound, Unavailable, WeightStore, check_plan, check_weight_source,
+                     check_weight_update)
+from .server import Tokens, _payload, _reply, _wait_seconds, pod_app
 
 log = logging.getLogger("pat.generator.vllm")
 
@@ -866,7 +868,9 @@ class VllmPod:
             return response
 
 
-def make_vllm_app(pod: VllmPod, token: str) -> web.Application:
+def make_vllm_app(pod: VllmPod, tokens: Tokens, store: WeightStore | None = None) -> web.Application:
+    """The vLLM pod's API (make_app's, and vLLM's OpenAI API behind the control token); `store`: the job's
+    weight-sync store, the only one POST /v1/weights takes (None: any)."""
     async def submit(request: web.Request) -> web.Response:
         return _reply(pod.submit(await _payload(request, RolloutBatch)), 202)
 
@@ -877,7 +881,9 @@ def make_vllm_app(pod: VllmPod, token: str) -> web.Application:
         return _reply(await pod.regroup(await _payload(request, RegroupPlan)))
 
     async def weights(request: web.Request) -> web.Response:
-        return _reply(pod.update_weights(await _payload(request, WeightUpdate)), 202)
+        update = await _payload(request, WeightUpdate)
+        await check_weight_source(update, store, tokens.control)
+        return _reply(pod.update_weights(update), 202)
 
     async def state(request: web.Request) -> web.Response:
         return _reply(pod.state)
@@ -894,7 +900,7 @@ def make_vllm_app(pod: VllmPod, token: str) -> web.Application:
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=pod.metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    return pod_app(token, [
+    return pod_app(tokens, [
         web.post("/v1/rollouts", submit), web.get("/v1/rollouts/{batch_id}", batch_status),
         web.post("/v1/regroup", regroup), web.post("/v1/weights", weights), web.get("/v1/state", state),
         web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics),

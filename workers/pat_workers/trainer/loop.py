@@ -11,12 +11,20 @@ Placement colocated: the generator pods are this job's pods too, an engine rank 
 batch is generated, rank 0 puts the pods to sleep (the engines give back their weights, KV pools and step memory),
 the ranks train, give back what training held (gradients, the allocator's cache), and each hands the new weights to
 the engine rank on its own device (weightsync.DeviceSender); then the pods wake up for the next batch.
+
+Placement separate: a generator pod that the operator restarts alone (same address, initial weights, its batch lost)
+does not fail the trainer. Rank 0 waits for it (--generator-restart-timeout, each time it goes away), gives it the
+current weights in a weight round of its own (the other ranks join every round rank 0 leads: _follow), and sends it
+its part of the batch again; the weight group is formed anew whenever its members change. Every answer a pod gives
+for its part of a batch is that whole part, so each request's completion is taken exactly once.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
+import itertools
 import json
 import os
 import time
@@ -34,14 +42,15 @@ from torch.distributed.tensor import DTensor
 from pat_operator import fit
 from pat_operator import metric_names as names
 from pat_operator.api import Algorithm, RLHFJobSpec, load_job
-from pat_operator.podapi import Completion, RolloutBatch, RolloutRequest, Sampling, WeightUpdate
-from pat_operator.podclient import PodClient
+from pat_operator.podapi import BatchStatus, Completion, PodState, RolloutBatch, RolloutRequest, Sampling, WeightUpdate
+from pat_operator.podclient import PodClient, PodError
 
 from ..affinity import TRAINER_CPUS, pin
 from ..report import read_jsonl
 from ..turns import Turn
 from ..weightsync import DeviceSender, WeightSender, handover_address
 from . import batching, checkpoint, data, grpo
+from .generators import RETRY_SECONDS, GeneratorLost, lost_error, ready_state, round_lost, until_back
 from .policy import Policy, full_weights, sharded_policy
 from .prompts import load_prompts
 from .rewards import load_reward, overlong_penalty
@@ -51,6 +60,7 @@ MASK63 = (1 << 63) - 1
 # others per token (divided by the mini-batch's response tokens).
 SUMMED_STATS = ("loss", "pg_loss", "kl", "clip_fraction", "ratio_mean", "entropy")
 READY_TIMEOUT_S = 900  # generator pods load and profile the model before they are ready
+WEIGHT_ROUND = "weight round"  # what rank 0 tells the other ranks before each weight round to the generator pods
 
 
 def sample_seed(seed: int, iteration: int, prompt: int, sample: int) -> int:
@@ -109,7 +119,8 @@ class TrainerMetrics:
 class Trainer:
     def __init__(self, spec: RLHFJobSpec, model_dir: Path, run_dir: Path, pods: list[str], token: str,
                  host: str = "127.0.0.1", weight_port: int = 0, metrics_port: int = 0,
-                 tokenizer_dir: Path | None = None, bind: str | None = None):
+                 tokenizer_dir: Path | None = None, bind: str | None = None,
+                 restart_timeout: float = READY_TIMEOUT_S):
         self.spec, self.alg = spec, spec.algorithm
         self.run_dir, self.ckpt_dir = run_dir, run_dir / "checkpoints"
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -130,6 +141,13 @@ class Trainer:
             if self.device.type == "cuda":  # no NaN-filling of every new tensor: training reads none unwritten
                 torch.utils.deterministic.fill_uninitialized_memory = False
         torch.manual_seed(self.alg.seed)
+        self.colocated = spec.placement == "colocated"
+        # Colocated, the generator pods are the trainer's own: one that fails takes the trainer with it.
+        self.restart_timeout = 0.0 if self.colocated else restart_timeout
+        # Rank 0's word to the others (_lead): they wait on it while rank 0 generates, which may include waiting for a
+        # restarted generator pod. Gloo, apart from the training collectives (and NCCL's shorter default timeout).
+        self.leader = dist.new_group(backend="gloo", timeout=dist.default_pg_timeout + datetime.timedelta(
+            seconds=self.restart_timeout))
         mesh = init_device_mesh(self.device.type, (self.world,))
         trainer = spec.trainer
         build = lambda trainable: sharded_policy(  # noqa: E731
@@ -145,7 +163,6 @@ class Trainer:
         self.sampler = data.PromptSampler(len(self.problems), self.alg.seed)
         self.reward = load_reward(spec.reward)
         self.iteration = 0
-        self.colocated = spec.placement == "colocated"
         # Listening from the start: an engine rank connects when its pod is first told to take weights.
         self.handover = (DeviceSender(handover_address(token), int(os.environ.get("LOCAL_RANK", "0")), token)
                          if self.colocated else None)
@@ -155,9 +172,13 @@ class Trainer:
             self.metrics = TrainerMetrics(bind or host, metrics_port)
             self.loop = asyncio.new_event_loop()
             self.sender: WeightSender | None = None
+            self.members: tuple[int, ...] = ()  # the sender's generator pods, by index
+            self.sent_version = 0  # what the sender's last round gave every member
             self.turn = Turn.from_env()  # `pat run --baseline`: the variants take turns, an iteration each
             (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
-        self.checkpointer = checkpoint.Checkpointer(self.ckpt_dir, spec.checkpoint.keep)
+        attempt = os.environ.get("PAT_ATTEMPT")  # unset (a trainer started by hand): checkpoints are not fenced
+        self.checkpointer = checkpoint.Checkpointer(self.ckpt_dir, spec.checkpoint.keep,
+                                                    int(attempt) if attempt else None)
         self._resume()
 
     # -- set-up ------------------------------------------------------------------------------------------
@@ -175,19 +196,42 @@ class Trainer:
             log.write_text("".join(json.dumps(r) + "\n" for r in rows))
             print(f"resumed from {path.name}: iteration {self.iteration}", flush=True)
 
-    def _pods(self, fn):
-        """Runs `fn(client, index)` on every pod concurrently; returns the results in pod order."""
+    def _pods(self, fn, indices: list[int] | None = None) -> list:
+        """Runs `fn(client, index)` on every pod (or those of `indices`) concurrently; returns the results in that
+        order. The first error is raised once the other calls are cancelled: none goes on behind the trainer."""
         async def all_pods():
             async with aiohttp.ClientSession() as session:
-                return await asyncio.gather(*(fn(PodClient(url, self.token, session), i)
-                                              for i, url in enumerate(self.pods)))
+                tasks = [asyncio.ensure_future(fn(PodClient(self.pods[i], self.token, session), i))
+                         for i in (range(len(self.pods)) if indices is None else indices)]
+                try:
+                    return await asyncio.gather(*tasks)
+                finally:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
         return self.loop.run_until_complete(all_pods())
+
+    def _lead(self, message=None):
+        """Rank 0's `message` to every rank (the others pass nothing and get it)."""
+        if self.world == 1:
+            return message
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self.leader)
+        return box[0]
+
+    def _follow(self):
+        """The ranks but 0: joins each weight round rank 0 leads (gathering the weights with it) until rank 0 says
+        something else, which it returns."""
+        while (message := self._lead()) == WEIGHT_ROUND:
+            for _ in full_weights(self.policy):
+                pass
+        return message
 
     # -- one iteration -----------------------------------------------------------------------------------
     def run(self) -> None:
         if self.rank == 0:
             self._wait_ready()
-        self._sync_weights(self.iteration, only_if_behind=True)
+        self._sync_weights(self.iteration)
         while self.iteration < self.alg.iterations:
             if self.rank == 0 and self.turn is not None:
                 self.turn.wait(self.iteration + 1)
@@ -220,7 +264,7 @@ class Trainer:
             dist.barrier()
             seconds["switch"] = time.perf_counter() - t
         t = time.perf_counter()
-        rollouts = self._share(rollouts)
+        rollouts = self._lead(rollouts) if self.rank == 0 else self._follow()
         stats = train_iteration(self.policy, self.reference, self.optimizer, rollouts, self.alg, self.rank,
                                 self.world, self.device)
         seconds["train"] = time.perf_counter() - t
@@ -269,20 +313,53 @@ class Trainer:
                                       ignore_eos=length is not None, temperature=alg.temperature,
                                       top_p=alg.top_p, seed=sample_seed(alg.seed, it, index, g))))
 
-        async def generate(client: PodClient, i: int):
-            before = await client.state()
-            if not batches[i]:
-                return [], before, before
-            status = await client.submit(RolloutBatch(batch_id=f"iter-{it}", policy_version=it - 1,
-                                                      requests=batches[i]))
-            done = await client.wait(status.batch_id)
-            return done.completions, before, await client.state()
-
-        results = self._pods(generate)
-        completions = {c.id: c for done, _, _ in results for c in done}
-        row = {"regroups": sum(after.epoch - before.epoch for _, before, after in results),
-               "layouts": [after.layout for _, _, after in results]}
+        parts = [RolloutBatch(batch_id=f"iter-{it}", policy_version=it - 1, requests=b) for b in batches]
+        results: dict[int, tuple[list[Completion], PodState, PodState]] = {}
+        pending = list(range(n_pods))
+        while True:
+            done = self._pods(lambda c, i: until_back(c, self._generator(c, parts[i]), self.restart_timeout), pending)
+            results.update((i, out) for i, out in zip(pending, done) if out is not None)
+            pending = [i for i, out in zip(pending, done) if out is None]
+            if not pending:
+                break
+            restarted = ", ".join(self.pods[i] for i in pending)
+            if not self.restart_timeout:
+                raise lost_error(restarted, f"restarted: it holds another policy version than {it - 1}", 0)
+            print(f"iteration {it}: generator pod(s) {restarted} restarted: they take the weights of version {it - 1}, "
+                  f"then their part of the batch again", flush=True)
+            self._update_pods(it - 1)
+        completions = {c.id: c for i in range(n_pods) for c in results[i][0]}
+        row = {"regroups": sum(after.epoch - before.epoch for _, before, after in results.values()),
+               "layouts": [results[i][2].layout for i in range(n_pods)]}
         return completions, row
+
+    def _generator(self, client: PodClient, part: RolloutBatch):
+        """What until_back retries for one pod's part of a batch: its completions with the pod's state before and
+        after, or None when the pod holds another policy version (it restarted: it takes the weights first). The part
+        is sent again when the pod no longer knows it (404)."""
+        submitted, before = False, None
+
+        async def generate(state: PodState) -> tuple[list[Completion], PodState, PodState] | None:
+            nonlocal submitted, before
+            if not part.requests:
+                return [], state, state
+            if state.policy_version != part.policy_version:
+                return None
+            if not submitted:
+                before = state
+                try:
+                    await client.submit(part)
+                except PodError as e:
+                    if e.status != 409:  # 409: it has the part already (the answer to an earlier submit was lost)
+                        raise
+                submitted = True
+            try:
+                status: BatchStatus = await client.wait(part.batch_id)
+            except PodError as e:
+                submitted = e.status != 404
+                raise
+            return status.completions, before, await client.state()
+        return generate
 
     def _score(self, indices: list[int], prompts: list[list[int]], completions: dict[str, Completion]
                ) -> tuple[list[Rollout], float]:
@@ -310,13 +387,6 @@ class Trainer:
         path.write_text(json.dumps(record))
         return rollouts, sum(scores) / len(scores)
 
-    def _share(self, rollouts: list[Rollout] | None) -> list[Rollout]:
-        if self.world == 1:
-            return rollouts
-        box = [rollouts]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def _wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Pods start (load, profile) while the trainer loads: wait until every one is ready."""
         async def ready(client: PodClient, i: int):
@@ -339,41 +409,91 @@ class Trainer:
         states = self._pods(lambda c, i: c.wake_up() if held else c.sleep(level=2))
         return sum(sum(s.memory_bytes) for s in states)
 
-    def _sync_weights(self, version: int, only_if_behind: bool = False) -> None:
-        """Every rank gathers the full weights one tensor at a time (a collective over the FSDP shards); rank 0
-        streams each to the generator pods as it comes, or (colocated) each rank hands them to the engine rank on
-        its device."""
+    def _sync_weights(self, version: int) -> None:
+        """Brings every generator pod to `version` (a pod that holds it already is left alone). Every rank gathers the
+        full weights one tensor at a time (a collective over the FSDP shards); rank 0 streams each to the generator
+        pods as it comes, or (colocated) each rank hands them to the engine rank on its device."""
+        if self.colocated:
+            self._hand_over(version)
+        elif self.rank == 0:
+            self._update_pods(version)
+            self._lead(None)
+        else:
+            self._follow()
+
+    def _hand_over(self, version: int) -> None:
         states = self._pods(lambda c, i: c.state()) if self.rank == 0 else []
-        behind = [not (only_if_behind and all(s.policy_version == version for s in states))]
-        dist.broadcast_object_list(behind, src=0)
-        if not behind[0]:
+        if not self._lead(any(s.policy_version != version for s in states)):
             return
         weights = full_weights(self.policy)
         shapes = {name: p.shape for name, p in self.policy.named_parameters()}
-        if self.colocated:
-            if self.rank == 0:
-                self._pods(lambda c, i: c.update_weights(WeightUpdate(version=version, transport="device",
-                                                                      address=self.handover.address)))
-            self.handover.send(shapes, weights, version, agree=self._refusals)
-            if self.rank == 0:
-                self._pods(lambda c, i: c.wait_version(version))
-            return
-        if self.rank != 0:
-            for _ in weights:
-                pass
-            return
-        ranks = [s.weight_receivers for s in states]
-        world = 1 + sum(ranks)
-        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        if self.rank == 0:
+            self._pods(lambda c, i: c.update_weights(WeightUpdate(version=version, transport="device",
+                                                                  address=self.handover.address)))
+        self.handover.send(shapes, weights, version, agree=self._refusals)
+        if self.rank == 0:
+            self._pods(lambda c, i: c.wait_version(version))
+
+    def _update_pods(self, version: int) -> None:
+        """Rank 0: weight rounds (each one the other ranks join: _follow) to the pods that hold another version than
+        `version`, until none does. A pod that went away is waited for (until_back); a round that fails because a
+        member went away during it is sent again, to whoever then needs it, while the failed rounds (and the pauses
+        after them) have taken less than the restart timeout in all."""
+        failed = 0.0
+        while True:
+            states = self._pods(lambda c, i: ready_state(c, self.restart_timeout))
+            targets = [i for i, s in enumerate(states) if s.policy_version != version]
+            if not targets:
+                return
+            if ahead := [f"{self.pods[i]} ({states[i].policy_version})" for i in targets
+                         if states[i].policy_version > version]:
+                raise GeneratorLost(f"generator pod(s) {', '.join(ahead)} hold a newer policy version than the "
+                                    f"trainer's {version}: a trainer that restarts must restart the generator pods too")
+            started = time.monotonic()
+            try:
+                self._send_weights(version, targets, states)
+                continue
+            except Exception as e:
+                if not round_lost(e):
+                    raise
+                self._drop_sender()
+                names = ", ".join(self.pods[i] for i in targets)
+                if failed + time.monotonic() - started >= self.restart_timeout:
+                    raise lost_error(names, f"weight round of version {version}: {e}", self.restart_timeout) from e
+                print(f"weight round of version {version} to {names} failed ({e}): sent again", flush=True)
+            time.sleep(RETRY_SECONDS)
+            failed += time.monotonic() - started
+
+    def _send_weights(self, version: int, targets: list[int], states: list[PodState]) -> None:
+        """One weight round to the pods of `targets`, in the sender's group if it is theirs and every member holds
+        what its last round sent (a restarted pod holds version 0), else in a new group."""
+        receivers = [states[i].weight_receivers for i in targets]
+        world = 1 + sum(receivers)
+        offsets = dict(zip(targets, itertools.accumulate(receivers, initial=1)))
         # Every member receives on its own device (an engine rank, or a vLLM worker): NCCL wherever they are GPUs.
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        if self.sender is None:  # hosts the store now (it does not wait for the members)
-            self.sender = WeightSender(self.weight_address, world, backend=backend)
-        self._pods(lambda c, i: c.update_weights(WeightUpdate(version=version, address=self.sender.address,
-                                                              world=world, rank_offset=offsets[i],
-                                                              backend=backend)))
-        self.sender.send(shapes, weights, version)
-        self._pods(lambda c, i: c.wait_version(version))
+        self._lead(WEIGHT_ROUND)
+        weights = full_weights(self.policy)
+        try:
+            if not (self.sender is not None and self.members == tuple(targets)
+                    and all(states[i].policy_version == self.sent_version for i in targets)):
+                self._drop_sender()  # first: a fixed --weight-port is free again for the new group's store
+                self.sender = WeightSender(self.weight_address, world, backend=backend)  # hosts the store now
+                self.members = tuple(targets)
+            address = self.sender.address
+            self._pods(lambda c, i: c.update_weights(WeightUpdate(version=version, address=address, world=world,
+                                                                  rank_offset=offsets[i], backend=backend)), targets)
+            self.sender.send({name: p.shape for name, p in self.policy.named_parameters()}, weights, version)
+            self._pods(lambda c, i: c.wait_version(version), targets)
+            self.sent_version = version
+        finally:
+            for _ in weights:  # the other ranks gather every tensor: so does rank 0, whatever the round did
+                pass
+
+    def _drop_sender(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        self.sender = None
 
     def _refusals(self, refused: bool) -> int:
         """How many trainer ranks' engines refused the hand-over (every rank learns the same count)."""
@@ -550,12 +670,22 @@ def main(argv: list[str] | None = None) -> None:
                     "reachable from the generator pods (the pod's IP)")
     ap.add_argument("--bind", help="the address the metrics server listens on (default: --host; in a pod 0.0.0.0, "
                     "as a real node's port-forward needs)")
-    ap.add_argument("--weight-port", type=int, default=0, help="weight-sync store port (0: any free port)")
+    ap.add_argument("--weight-port", type=int, default=0, help="weight-sync store port (0: any free port, "
+                    "another for each group formed anew after a generator pod restarted)")
     ap.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port (0: none)")
     ap.add_argument("--tokenizer", help="directory with tokenizer.json (default: the model directory)")
+    ap.add_argument("--generator-restart-timeout", type=float, default=READY_TIMEOUT_S, metavar="SECONDS",
+                    help="how long a generator pod that went away (restarted alone by the operator) has to be ready "
+                    "again before the trainer fails; 0: fail at once. Placement separate only (default: %(default)s, "
+                    "as long as a pod's first start)")
     args = ap.parse_args(argv)
+    if args.generator_restart_timeout < 0:
+        ap.error(f"--generator-restart-timeout {args.generator_restart_timeout}: give 0 or more seconds")
     token = Path(args.token_file).read_text().strip() if args.token_file else os.environ["PAT_JOB_TOKEN"]
     trainer = Trainer(load_job(args.job).spec, Path(args.model), Path(args.run_dir), args.generators.split(","),
                       token, args.host, args.weight_port, args.metrics_port,
-                      Path(args.tokenizer) if args.tokenizer else None, args.bind)
-    trainer.run()
+                      Path(args.tokenizer) if args.tokenizer else None, args.bind, args.generator_restart_timeout)
+    try:
+        trainer.run()
+    except (GeneratorLost, checkpoint.StaleAttempt) as e:  # the reason alone, as the pod's termination message
+        raise SystemExit(f"pat trainer: {e}") from None
