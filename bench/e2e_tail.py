@@ -33,7 +33,7 @@ import kubernetes
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
-from pat_operator.builders import job_token  # noqa: E402
+from pat_operator.builders import LABEL_INDEX, LABEL_JOB, LABEL_ROLE, job_token  # noqa: E402
 from pat_operator.podclient import PodClient  # noqa: E402
 from tests.operator.harness import local_stack  # noqa: E402
 from tests.operator.tailjob import claim, tail_job, write_dataset  # noqa: E402
@@ -134,8 +134,9 @@ def run_job(cluster, operator, data_dir: Path, name: str, args: argparse.Namespa
             if status.get("phase") in ("Succeeded", "Failed"):
                 break
             if watcher is None:
-                pods = (await asyncio.to_thread(core.list_namespaced_pod, NAMESPACE,
-                                                field_selector=f"metadata.name={name}-generator-0")).items
+                # the generator pod by its labels: its name carries a per-attempt suffix
+                pods = (await asyncio.to_thread(core.list_namespaced_pod, NAMESPACE, label_selector=(
+                    f"{LABEL_JOB}={name},{LABEL_ROLE}=generator,{LABEL_INDEX}=0"))).items
                 if pods and pods[0].status.pod_ip:
                     watcher = asyncio.create_task(watch_pod(f"http://{pods[0].status.pod_ip}:8000", token, done))
             print(f"  {name}: {time.monotonic() - started:5.0f} s  {status.get('phase', 'Pending'):9s} iteration "
@@ -168,7 +169,7 @@ def main() -> int:
     for path in (data_dir, *data_dir.iterdir()):
         path.chmod(0o755 if path.is_dir() else 0o644)  # the pods run as a non-root user
     try:
-        with local_stack(tmp, prometheus=True) as (cluster, operator, prometheus):
+        with local_stack(tmp, "--allow-privileged-pods", prometheus=True) as (cluster, operator, prometheus):
             kubernetes.client.CoreV1Api(cluster.api_client()).create_namespace({"metadata": {"name": NAMESPACE}})
             print(f"nice {NICE}: {', '.join(deprioritise(cluster, operator, prometheus))}", flush=True)
             fixed, _ = run_job(cluster, operator, data_dir, "fixed", args, None, adaptive=False)

@@ -39,7 +39,7 @@ def real_job(name: str, placement: str) -> dict:
 
 @pytest.mark.parametrize("placement", ["separate", "colocated"])
 def test_real_workers_run_restart_from_a_checkpoint_and_succeed(jobs, cluster, tmp_path, placement):
-    generator, trainer = ("grpo-generator-0", "grpo-trainer-0") if placement == "separate" else ("grpo-worker-0",) * 2
+    generator, trainer = ("generator", "trainer") if placement == "separate" else ("worker",) * 2  # pods' roles
     jobs.create(real_job("grpo", placement))
     job = jobs.wait("grpo", lambda j: "grpo-run" in _running_message(j), "the missing claim named")
     assert "Unschedulable" in _running_message(job)  # why the gang waits, in its status
@@ -51,8 +51,9 @@ def test_real_workers_run_restart_from_a_checkpoint_and_succeed(jobs, cluster, t
     jobs.wait("grpo", phase("Running"), "Running", timeout=180, explain=logs)
     job = jobs.wait("grpo", lambda j: j["status"].get("iteration", 0) >= 2, "iteration 2", timeout=240, explain=logs)
     layouts = job["status"]["generators"]
-    assert layouts[0]["pod"] == generator and sum(layouts[0]["layout"]) == 2  # read from the pod
-    (pod,) = cluster.kubelet.pids(jobs.namespace, trainer)  # the pod's torch.distributed.run, or `pat colocated`
+    assert layouts[0]["pod"] == jobs.pod("grpo", generator) and sum(layouts[0]["layout"]) == 2  # read from the pod
+    # the pod's torch.distributed.run, or `pat colocated`
+    (pod,) = cluster.kubelet.pids(jobs.namespace, jobs.pod("grpo", trainer))
     if placement == "colocated":  # its children: the generator and the trainer's torch.distributed.run
         (pod,) = [p for p in children(pod) if b"trainer" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
     ranks = children(pod)
@@ -61,7 +62,8 @@ def test_real_workers_run_restart_from_a_checkpoint_and_succeed(jobs, cluster, t
     jobs.wait("grpo", lambda j: j["status"].get("restarts") == 1, "gang restart", timeout=60, explain=logs)
     job = jobs.wait("grpo", phase("Succeeded"), "Succeeded", timeout=300, explain=logs)
     assert job["status"]["iteration"] == ITERATIONS and job["status"]["restarts"] == 1
-    trainer_log = cluster.kubelet.log(jobs.namespace, trainer, "trainer" if placement == "separate" else "worker")
+    assert job["status"]["attempt"] == 1, job["status"]  # a trainer's failure restarts the whole gang
+    trainer_log = cluster.kubelet.log(jobs.namespace, jobs.pod("grpo", trainer), trainer)  # the container: the role
     assert "resumed from iter-" in trainer_log, trainer_log[-2000:]
     # The interrupted run on the cluster equals an uninterrupted `pat run` of the same job on this machine: every
     # token of every iteration, and the final weights (from the sharded checkpoint on the claim), bitwise.

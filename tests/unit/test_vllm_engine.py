@@ -354,7 +354,7 @@ async def _observe_queues() -> tuple[list, OperatorMetrics, FakePrometheus]:
     seen = []
     try:
         async with aiohttp.ClientSession() as session:
-            memo = SimpleNamespace(session=session, metrics=metrics, autoscale=AutoscaleSettings())
+            memo = SimpleNamespace(session=session, metrics=metrics, autoscale=AutoscaleSettings(), prometheus_auth=None)
             status = {"generators": [{"pod": "g-0", "layout": [1, 1], "regroups": 2}]}
             observer = _Observer(memo, "token", status, f"http://127.0.0.1:{port}")
             body = {"metadata": {"namespace": "ns"}, "spec": {"generator": {"port": 1}}}  # /v1/state: refused
