@@ -169,7 +169,8 @@ def main() -> int:
     for path in (data_dir, *data_dir.iterdir()):
         path.chmod(0o755 if path.is_dir() else 0o644)  # the pods run as a non-root user
     try:
-        with local_stack(tmp, "--allow-privileged-pods", prometheus=True) as (cluster, operator, prometheus):
+        # the dataset is a hostPath volume under tmp
+        with local_stack(tmp, "--allow-host-path", str(tmp), prometheus=True) as (cluster, operator, prometheus):
             kubernetes.client.CoreV1Api(cluster.api_client()).create_namespace({"metadata": {"name": NAMESPACE}})
             print(f"nice {NICE}: {', '.join(deprioritise(cluster, operator, prometheus))}", flush=True)
             fixed, _ = run_job(cluster, operator, data_dir, "fixed", args, None, adaptive=False)

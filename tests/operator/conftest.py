@@ -25,7 +25,8 @@ def operator(cluster, tmp_path_factory) -> OperatorProcess:
     token = cluster.token_for(SYSTEM_NAMESPACE, SERVICE_ACCOUNT)
     op = OperatorProcess(str(cluster.kubeconfig_for_token(token)), tmp_path_factory.mktemp("operator"),
                          "--restart-backoff-seconds", "1", "--restart-backoff-max-seconds", "4",
-                         "--regroup-timeout-seconds", "2", "--allow-host-path", "/tmp")  # the tests' data
+                         "--regroup-timeout-seconds", "2", "--allow-host-path", "/tmp",  # the tests' data
+                         supervised=True)
     op.start()
     yield op
     op.stop()

@@ -10,6 +10,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -79,11 +80,14 @@ def _wait(ok, what: str, timeout: float = 30.0) -> None:
 class OperatorProcess:
     """`pat-operator` as a subprocess, authenticated as its ServiceAccount, competing for the Lease `lease` in
     pat-system ('' for no leader election); its holderIdentity is `<workdir name>-<pid>`. `prelude`: Python run
-    before main(), e.g. to stand in for another release of the operator."""
+    before main(), e.g. to stand in for another release of the operator. `supervised`: started again whenever it
+    exits on its own, as its Deployment's kubelet would (a leader that misses its renew deadline on a starved API
+    server exits by design); not after stop() or kill()."""
 
-    def __init__(self, kubeconfig: str, workdir: Path, *extra: str, prelude: str = "", lease: str = LEASE):
+    def __init__(self, kubeconfig: str, workdir: Path, *extra: str, prelude: str = "", lease: str = LEASE,
+                 supervised: bool = False):
         self.kubeconfig, self.workdir, self.extra, self.prelude = kubeconfig, workdir, list(extra), prelude
-        self.lease = lease
+        self.lease, self.supervised = lease, supervised
         workdir.mkdir(parents=True, exist_ok=True)
         self.key_file = workdir / "token-key"
         if not self.key_file.exists():
@@ -112,6 +116,8 @@ class OperatorProcess:
         self.proc = subprocess.Popen(argv, stdout=open(self.log_file, "w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", "POD_NAME": self.workdir.name},
                                      start_new_session=True)
+        if self.supervised:
+            threading.Thread(target=self._supervise, args=(self.proc,), daemon=True).start()
         deadline = time.monotonic() + timeout
         while not (self.live() and (not lead or self.leading())):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -119,6 +125,14 @@ class OperatorProcess:
                                    f"{self.holder()!r}):\n{self.log()}")
             time.sleep(0.2)
         return self
+
+    def _supervise(self, proc: subprocess.Popen) -> None:
+        proc.wait()
+        time.sleep(1.0)  # stop() and kill() clear self.proc once the process is gone
+        if self.proc is proc:
+            print(f"pat-operator {self.workdir.name} exited with {proc.returncode}: started again",
+                  file=sys.stderr, flush=True)
+            self.start(lead=False)
 
     def holder(self) -> str | None:
         """The holderIdentity of its Lease, read with its own credentials (None: no Lease)."""
