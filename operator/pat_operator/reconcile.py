@@ -349,7 +349,9 @@ def _decide(job: RLHFJob, obs: Observed, pods: list[PodView], book: _Book, setti
         return d
     if (d := _scheduling_timeout(job, gang, book, ensure, settings)) is not None:
         return d
-    wake_after = min((w for w in (wake_after, _scheduling_wake(job, gang, book)) if w is not None), default=None)
+    timeout, over = spec.run_policy.scheduling_timeout_seconds, _unscheduled_for(gang, book)
+    if timeout is not None and over is not None:  # woken when the scheduling timeout is due
+        wake_after = min(w for w in (wake_after, max(timeout - over, 0.05)) if w is not None)
 
     missing = [slot for slot in gang.expected if slot not in gang.current]
     not_before = book.get("nextAttemptTime")
@@ -514,11 +516,8 @@ def _scheduling_timeout(job: RLHFJob, gang: _Gang, book: _Book, ensure: list[dic
         waiting = _unscheduled(gang)
         book.set(SCHEDULED, "False" if waiting else "True", "WaitingForScheduling" if waiting else "AllPodsScheduled",
                  f"{len(gang.current) - len(waiting)} of {len(gang.expected)} pods scheduled")
-    timeout, since = job.spec.run_policy.scheduling_timeout_seconds, book.get("attemptTime")
-    if timeout is None or not since or not _unscheduled(gang):
-        return None
-    over = (book.now - _time(since)).total_seconds()
-    if over < timeout:
+    timeout, over = job.spec.run_policy.scheduling_timeout_seconds, _unscheduled_for(gang, book)
+    if timeout is None or over is None or over < timeout:
         return None
     n = book.status.scheduling_timeouts + 1
     delay = restart_backoff(n, settings)
@@ -535,11 +534,10 @@ def _scheduling_timeout(job: RLHFJob, gang: _Gang, book: _Book, ensure: list[dic
                          wake_after=delay)
 
 
-def _scheduling_wake(job: RLHFJob, gang: _Gang, book: _Book) -> float | None:
-    timeout, since = job.spec.run_policy.scheduling_timeout_seconds, book.get("attemptTime")
-    if timeout is None or not since or not _unscheduled(gang):
-        return None
-    return max(timeout - (book.now - _time(since)).total_seconds(), 0.05)
+def _unscheduled_for(gang: _Gang, book: _Book) -> float | None:
+    """Seconds since the gang's pods were created, while one of them is unscheduled; None when all are placed."""
+    since = book.get("attemptTime")
+    return (book.now - _time(since)).total_seconds() if since and _unscheduled(gang) else None
 
 
 def _readiness(gang: _Gang, book: _Book) -> None:
