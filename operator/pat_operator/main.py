@@ -50,6 +50,7 @@ from .api import GROUP, VERSION
 from .autoscaler import AutoscaleSettings
 from .leader import API_ERRORS, LeaderElector, LeaseSettings, identity
 from .operator_metrics import OperatorMetrics
+from .podclient import http_url
 from .reconcile import Settings
 
 LEASE = "pat-operator"
@@ -182,7 +183,7 @@ def operate(args: argparse.Namespace) -> int:
                 return 0
         elector.keep(on_lost=_exit_at_once)
     _register_kopf_handlers(args, memo)
-    liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
+    liveness = http_url(args.bind, args.liveness_port) + "/healthz" if args.liveness_port else None
     try:
         asyncio.run(_run_kopf(stopping, clusterwide=not args.namespace, namespaces=args.namespace, standalone=True,
                               liveness_endpoint=liveness, memo=memo))
