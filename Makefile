@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test run cluster controlplane crdserver prometheus helm vllm grafana-schema bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
+.PHONY: test run cluster controlplane crdserver prometheus helm vllm grafana-schema images bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
         simulate gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -46,7 +46,13 @@ vllm:
 grafana-schema:
 	@scripts/grafana-schema.sh >/dev/null
 
-test: $(STAMP) controlplane crdserver prometheus helm vllm grafana-schema
+# The Dockerfile's three images, built with buildah from local Debian bases with the CPU torch and vLLM (apt-get
+# installs buildah and mmdebstrap when missing); cached by a hash of the Dockerfile and the sources
+# (scripts/images.sh; docs/operations.md). The cluster tests run pods from them.
+images:
+	@scripts/images.sh >/dev/null
+
+test: $(STAMP) controlplane crdserver prometheus helm vllm grafana-schema images
 	$(PY) -m pytest -q
 
 # The example RLHFJob as local processes with adaptive TP, then the same job with it off, side by side.

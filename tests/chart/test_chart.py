@@ -1,10 +1,11 @@
 """The Helm chart with a real helm v3 (scripts/helm-fetch.sh): lint and template are clean and render the same bytes
 every time, bad values are refused naming the value, the rendered manifests (NetworkPolicy, PodDisruptionBudget,
 RBAC included) validate strictly and pass the local API server's dry run, an upgrade from chart 0.1.0 keeps its
-token key, and `helm install --wait` runs two operator replicas as pods (the process kubelet; in-cluster config with
-their ServiceAccount's token, the chart's RBAC only), one of them the leader, that reconcile a real RLHFJob while a
-real Prometheus scrapes it and the workers -- every dashboard panel's query returns series -- and `helm uninstall`
-leaves only the CRDs, the operator's token key and its Lease."""
+token key, and `helm install --wait` runs two operator replicas as pods from the pat-operator image (built by
+scripts/images.sh; the process kubelet runs it chrooted; in-cluster config with their ServiceAccount's token, the
+chart's RBAC only), one of them the leader, that reconcile a real RLHFJob whose trainer and generator pods run from
+the pat-worker image (CPU torch) while a real Prometheus scrapes it and the workers -- every dashboard panel's query
+returns series -- and `helm uninstall` leaves only the CRDs, the operator's token key and its Lease."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kubernetes.client.exceptions import ApiException
 from pat_operator import metric_names as names
 from tests.cluster.dashboards import annotation_queries, panel_queries
 from tests.cluster.helm import CHART, ROOT, Helm
+from tests.cluster.images import built
 from tests.operator.conftest import Jobs, condition, job_doc, phase
 
 RULES = CHART / "files" / "operator-rules.yaml"
@@ -460,9 +462,12 @@ def test_helm_install_runs_the_operator_and_every_dashboard_panel_has_data(clust
     core, apps = kubernetes.client.CoreV1Api(api), kubernetes.client.AppsV1Api(api)
     rbac = kubernetes.client.RbacAuthorizationV1Api(api)
     jobs = Jobs(api, namespace)
+    images = built()
+    repository, tag = images["pat-operator"].rsplit(":", 1)
     try:
         helm("install", "rel", str(CHART), "-n", system, "--create-namespace", "--wait", "--timeout", "3m",
-             "--set-string", "listenAddress=$(POD_IP)",
+             "--set-string", "listenAddress=$(POD_IP)", "--set", f"image.repository={repository}",
+             "--set-string", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
              "--set", f"prometheus.url={prometheus.url}", "--set", "restartBackoffSeconds=1")
         pods = core.list_namespaced_pod(system, label_selector="app.kubernetes.io/instance=rel").items
         assert len(pods) == 2
@@ -470,6 +475,9 @@ def test_helm_install_runs_the_operator_and_every_dashboard_panel_has_data(clust
             assert pod.status.container_statuses[0].ready and pod.status.container_statuses[0].restart_count == 0
             [pid] = cluster.kubelet.pids(system, pod.metadata.name)
             assert "Uid:\t1000\t" in Path(f"/proc/{pid}/status").read_text()  # non-root, as the chart says
+            # From the image: chrooted into its root filesystem, the image's interpreter, no torch beside it.
+            assert Path(f"/proc/{pid}/root/opt/venv/bin/pat-operator").exists()
+            assert not list(Path(f"/proc/{pid}/root/opt/venv/lib").glob("python3*/site-packages/torch"))
         lease = kubernetes.client.CoordinationV1Api(api).read_namespaced_lease("rel-pat-operator", system)
         [leader] = [p.metadata.name for p in pods if p.metadata.name in (lease.spec.holder_identity or "")]
         operator_log = lambda: cluster.kubelet.log(system, leader, "operator")[-4000:]  # noqa: E731
@@ -493,9 +501,13 @@ def test_helm_install_runs_the_operator_and_every_dashboard_panel_has_data(clust
         doc["spec"]["reward"]["overlongBuffer"] = 4
         doc["spec"]["generator"].update(maxBatch=16, maxSeq=64)
         doc["spec"]["generator"]["adaptiveTP"]["controller"] = "operator"  # the operator queries Prometheus
+        doc["spec"]["trainer"]["image"] = doc["spec"]["generator"]["image"] = images["pat-worker"]
         jobs.create(doc)
         jobs.wait("charted", lambda j: (j.get("status") or {}).get("iteration", 0) >= 2, "iteration 2",
                   timeout=240, explain=operator_log)
+        for role in ("trainer", "generator"):  # the job's pods run from pat-worker
+            pids = cluster.kubelet.pids(namespace, jobs.pod("charted", role))
+            assert pids and all(Path(f"/proc/{pid}/root/opt/venv/bin/pat").exists() for pid in pids), (role, pids)
         # The job's NetworkPolicy lets the operator's pods in, as the chart told it (--network-policy-from).
         operator_pods = {"namespace_selector": {"match_expressions": None,
                                                 "match_labels": {"kubernetes.io/metadata.name": system}},

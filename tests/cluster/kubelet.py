@@ -1,9 +1,13 @@
-"""A test kubelet: the pods bound to its Node run as local processes (no container runtime, no images).
+"""A test kubelet: the pods bound to its Node run as local processes, from the project's images or from the host.
 
     python -m tests.cluster.kubelet --kubeconfig F [--node pat-node-0] [--gpus 16]
 
 What a pod gets, and what differs from a real node:
-- The host is the image: `image` is ignored and the command runs with the directory of sys.executable (the
+- An image of this machine's buildah store (`localhost/...`: scripts/images.sh builds the project's) is run as a
+  container runtime runs it (tests/cluster/images.py): its root filesystem under an overlay of the container's own,
+  chrooted; its Env under the container's; its USER unless runAsUser says otherwise; its Entrypoint and Cmd where
+  the container sets no command or args. Such an image missing from the store is ErrImageNeverPull (nothing pulls).
+- Any other image is ignored: the host is the image, and the command runs with the directory of sys.executable (the
   project's venv) first on PATH. A container without `command` cannot run (there is no image entrypoint).
 - Each container runs in its own mount and UTS namespace (tests/cluster/podexec.py): volumes are bind mounts,
   /etc/hosts is the kubelet's hosts file (read-only), the hostname is spec.hostname or the pod name,
@@ -75,6 +79,7 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from tests.cluster.images import Image, ImageError, ImageStore
 from tests.cluster.podexec import CLONE_NEWNET, mount, setns, umount
 
 log = logging.getLogger("pat.kubelet")
@@ -665,6 +670,7 @@ class Container:
     process: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)  # the container's own variables, for exec probes
     identity: tuple[int | None, int, list[int]] = (None, 0, [])  # uid (None: root), gid, supplementary groups
+    image: Image | None = None  # what it runs from (None: the host)
     started_at: str | None = None
     finished_at: str | None = None
     exit_code: int | None = None
@@ -763,6 +769,7 @@ class ProcessKubelet:
         # What the pods' commands run from (the venv and the project of an editable install): a pod's volume
         # mounted over them (its emptyDir at /tmp over a checkout in /tmp) must not hide them.
         self._host_dirs = sorted({sys.prefix, str(self.bin_dir), str(Path(__file__).resolve().parents[2])}, key=len)
+        self.images = ImageStore()
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -830,6 +837,7 @@ class ProcessKubelet:
                     pass
         self._reaper.close()
         self._timers.close()
+        self.images.close()
         self._probes.shutdown(wait=False, cancel_futures=True)
         for response in list(self._watches):  # unblocks their threads, which then see _stopping
             _shutdown(response)
@@ -1184,8 +1192,9 @@ class ProcessKubelet:
     def _start_container(self, run: PodRun, c: Container) -> None:
         try:
             spec = self._container_spec(run, c)
-        except ConfigError as e:
-            c.reason, c.message = "CreateContainerConfigError", str(e)
+        except (ConfigError, ImageError) as e:
+            c.reason = "ErrImageNeverPull" if isinstance(e, ImageError) else "CreateContainerConfigError"
+            c.message = str(e)
             self._requeue(run.uid, RETRY_SECONDS)
             return
         log_path = self.log_path(run.namespace, run.name, c.name)
@@ -1391,13 +1400,20 @@ class ProcessKubelet:
         spec, pod_spec = c.spec, run.pod["spec"]
         pod_security = pod_spec.get("securityContext", {})
         security = {**pod_security, **spec.get("securityContext", {})}
-        uid = security.get("runAsUser")
+        image = c.image = self.images.get(spec["image"]) if ImageStore.serves(spec.get("image", "")) else None
+        uid, gid = security.get("runAsUser"), security.get("runAsGroup")
+        if image:  # the image's USER where the pod names none; else the uid's group in the image's /etc/passwd
+            user_gid = None
+            if uid is None and image.user:
+                uid, user_gid = image.identity(image.user)
+            if gid is None:
+                gid = user_gid if user_gid is not None else image.home(uid or 0)[1]
         if security.get("runAsNonRoot") and not uid:
             raise ConfigError("container has runAsNonRoot and image will run as root "
                               f"(pod: \"{run.name}_{run.namespace}({run.uid})\", container: {c.name})")
         c.env = self._container_env(run, spec)
         groups = [g for g in [pod_security.get("fsGroup"), *pod_security.get("supplementalGroups", [])] if g]
-        c.identity = (uid, security.get("runAsGroup", 0), groups)
+        c.identity = (uid or None, gid or 0, groups)
         mounts = [{"source": str(self.hosts_file), "target": "/etc/hosts", "readonly": True},
                   {"source": str(self.resolv_file), "target": "/etc/resolv.conf", "readonly": True}]
         if account := run.volumes.get(SERVICE_ACCOUNT_VOLUME):
@@ -1416,13 +1432,20 @@ class ProcessKubelet:
                     os.chown(source, st.st_uid, st.st_gid)
             mounts.append({"source": str(source), "target": m["mountPath"],
                            "readonly": bool(m.get("readOnly")) or volume.readonly})
-        return {
-            "argv": [expand(a, c.env) for a in spec.get("command", []) + spec.get("args", [])],
-            "workdir": spec.get("workingDir"), "uid": uid, "gid": c.identity[1], "groups": groups,
-            "netns": run.netns, "hostname": self._hostname(run),
-            "traversable": self._hidden_dirs if uid else [], "host": self._host_dirs,
-            "mounts": mounts, "readonly_root": bool(security.get("readOnlyRootFilesystem")),
-        }
+        command, args = spec.get("command"), spec.get("args")
+        if image:  # Kubernetes' rule: a command replaces the Entrypoint and the Cmd; args alone replace the Cmd
+            command, args = (command, args) if command else (image.entrypoint, image.cmd if args is None else args)
+        common = {"argv": [expand(a, c.env) for a in (command or []) + (args or [])],
+                  "workdir": spec.get("workingDir") or (image.workdir if image else None), "uid": c.identity[0],
+                  "gid": c.identity[1], "groups": groups, "netns": run.netns, "hostname": self._hostname(run),
+                  "mounts": mounts, "readonly_root": bool(security.get("readOnlyRootFilesystem"))}
+        if image is None:
+            return {**common, "traversable": self._hidden_dirs if uid else [], "host": self._host_dirs}
+        layer = run.dir / "containers" / f"{c.name}-{c.restarts}"  # each start a new writable layer, as runtimes'
+        for d in ("upper", "work", "root"):
+            (layer / d).mkdir(parents=True, exist_ok=True)
+        return {**common, "rootfs": {"image": str(image.rootfs), "upper": str(layer / "upper"),
+                                     "work": str(layer / "work"), "root": str(layer / "root")}}
 
     def _hostname(self, run: PodRun) -> str:
         """spec.hostname or the pod's name; a hostNetwork pod has the node's, as it shares the node's UTS namespace."""
@@ -1430,15 +1453,20 @@ class ProcessKubelet:
         return self.node_name if spec.get("hostNetwork") else spec.get("hostname") or run.name
 
     def _base_env(self, run: PodRun, c: Container) -> dict[str, str]:
-        """What an image would contribute: the container's own variables (PATH too) override it."""
+        """What the image (or, run from the host, the host) contributes: the container's own variables override it."""
         uid = c.identity[0] or 0
-        try:
-            home = pwd.getpwuid(uid).pw_dir
-        except KeyError:
-            home = "/"
+        if c.image:
+            image = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                     "HOME": c.image.home(uid)[0], **c.image.env}
+        else:
+            try:
+                home = pwd.getpwuid(uid).pw_dir
+            except KeyError:
+                home = "/"
+            image = {"PATH": f"{self.bin_dir}:{os.environ.get('PATH', '/usr/local/bin:/usr/bin:/bin')}", "HOME": home,
+                     "LANG": "C.UTF-8"}
         service_ip, service_port = self.network.service
-        return {"PATH": f"{self.bin_dir}:{os.environ.get('PATH', '/usr/local/bin:/usr/bin:/bin')}",
-                "HOME": home, "HOSTNAME": self._hostname(run), "LANG": "C.UTF-8",
+        return {**image, "HOSTNAME": self._hostname(run),
                 # What every pod gets from the `kubernetes` Service (enableServiceLinks or not): its cluster IP,
                 # which the node relays to the API server (see Relays).
                 "KUBERNETES_SERVICE_HOST": service_ip, "KUBERNETES_SERVICE_PORT": str(service_port)}

@@ -7,11 +7,16 @@ Standard library only and no site import, so it starts in ~25 ms. SPEC_JSON keys
   argv, workdir, uid, gid, groups   the command and the identity to run it as (uid None: stay root)
   errfd                             a pipe: a failure is written there, a successful exec closes it
   and either, for a new container:  netns: the pod's network namespace (a path under /run/netns), shared by its
-                                    containers; hostname, traversable [dir], mounts [{source, target, readonly}],
-                                    readonly_root,
-                                    host [dir]: what the commands run from (the venv, the project), kept visible
-                                    where a volume is mounted over them (an emptyDir at /tmp over a checkout there)
-  or, to run in a running one:      join_pid: its network, mount and UTS namespaces are joined
+                                    containers; hostname, mounts [{source, target, readonly}], readonly_root, and
+                                    either, run from the host:
+                                    traversable [dir], host [dir]: what the commands run from (the venv, the
+                                    project), kept visible where a volume is mounted over them (an emptyDir at /tmp
+                                    over a checkout there)
+                                    or, run from an image: rootfs {image, upper, work, root}: an overlay of a
+                                    writable layer of its own (upper, work) over the image's root filesystem, at
+                                    root, with the host's /proc, /sys and /dev; the mounts go below it, and the
+                                    command runs chrooted there
+  or, to run in a running one:      join_pid: its network, mount and UTS namespaces and its root are joined
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 import os
 import stat
 import sys
+import warnings
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
@@ -33,6 +39,7 @@ MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
 
 libc = ctypes.CDLL(None, use_errno=True)
+PRELOADED = (warnings,)  # os.execvp imports it on first use: after a chroot into an image, too late
 
 
 def _check(result: int, what: str) -> None:
@@ -62,6 +69,29 @@ def setns(path: str, flag: int) -> None:
         _check(libc.setns(fd, flag), f"setns {path}")
     finally:
         os.close(fd)
+
+
+def in_root(root: str, path: str) -> str:
+    """`path` as a process chrooted at `root` sees it, on this side: its symlinks resolved inside root (an image's
+    /var/run -> /run must not lead to the host's /run), as runtimes resolve mount targets (runc's securejoin)."""
+    parts, resolved, hops = [p for p in path.split("/") if p], [], 0
+    while parts:
+        part = parts.pop(0)
+        if part in (".", ".."):
+            if part == ".." and resolved:
+                resolved.pop()
+            continue
+        here = os.path.join(root, *resolved, part)
+        if os.path.islink(here):
+            hops += 1
+            if hops > 40:
+                raise OSError(40, f"too many levels of symbolic links: {path} in {root}")
+            link = os.readlink(here)
+            resolved = [] if link.startswith("/") else resolved
+            parts = [p for p in link.split("/") if p] + parts
+        else:
+            resolved.append(part)
+    return os.path.join(root, *resolved)
 
 
 def make_traversable(path: str) -> None:
@@ -100,10 +130,18 @@ def new_container(spec: dict) -> None:
     # Every source is opened before anything is mounted: a volume at /tmp would hide the kubelet's dir there.
     sources = [os.open(m["source"], os.O_PATH) for m in spec["mounts"]]
     host = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in spec.get("host", [])]
-    for path in spec["traversable"]:
+    for path in spec.get("traversable", []):
         make_traversable(path)
+    root = "/"
+    if rootfs := spec.get("rootfs"):
+        root = rootfs["root"]
+        mount("overlay", root, 0, "overlay",
+              f"lowerdir={rootfs['image']},upperdir={rootfs['upper']},workdir={rootfs['work']}")
+        for system in ("proc", "sys", "dev"):  # the host's, as a runtime's defaults show them (without its masks)
+            os.makedirs(os.path.join(root, system), exist_ok=True)
+            mount(f"/{system}", os.path.join(root, system), MS_BIND | MS_REC)
     for m, fd in zip(spec["mounts"], sources):
-        target = m["target"]
+        target = in_root(root, m["target"])
         if stat.S_ISDIR(os.fstat(fd).st_mode):
             os.makedirs(target, exist_ok=True)
         elif not os.path.exists(target):  # a file (a configMap key, the hosts file) needs a file to cover
@@ -122,20 +160,25 @@ def new_container(spec: dict) -> None:
             os.makedirs(path, exist_ok=True)
             mount(f"/proc/self/fd/{fd}", path, MS_BIND | MS_REC, name=path)
         os.close(fd)
-    if spec["workdir"]:
-        os.makedirs(spec["workdir"], exist_ok=True)  # as container runtimes do; before / may turn read-only
+    if spec["workdir"]:  # as container runtimes do; before / may turn read-only
+        os.makedirs(in_root(root, spec["workdir"]), exist_ok=True)
     if spec["readonly_root"]:
         # The root mount's own flag only: the volumes mounted above are separate mounts and stay writable.
-        mount(None, "/", MS_REMOUNT | MS_BIND | MS_RDONLY)
+        mount(None, root, MS_REMOUNT | MS_BIND | MS_RDONLY)
+    os.chroot(root)
 
 
 def join_container(pid: int) -> None:
-    # Every namespace opened first: once in the container's mount namespace, its /proc may differ.
+    # Every namespace and the root opened first: once in the container's mount namespace, its /proc may differ.
     fds = [(os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY), ns, flag)
            for ns, flag in (("net", CLONE_NEWNET), ("mnt", CLONE_NEWNS), ("uts", CLONE_NEWUTS))]
+    root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY)
     for fd, ns, flag in fds:
         _check(libc.setns(fd, flag), f"setns {ns} of pid {pid}")
         os.close(fd)
+    os.fchdir(root)  # as nsenter --root: the container's root (an image's) becomes this one's
+    os.chroot(".")
+    os.close(root)
 
 
 def _fail(errfd: int, message: str) -> None:

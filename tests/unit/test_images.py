@@ -173,9 +173,10 @@ BUILD_TOOLS = re.compile(r"\b(build-essential|gcc|g\+\+|clang|make|cmake|ninja-b
                          r"cuda-nvcc|cuda-toolkit[-\w]*|nvidia-cuda-toolkit)\b")
 
 
-# What a final stage may install of BUILD_TOOLS: in the vLLM image, what Triton and torch.compile (inductor) build
-# their kernel launchers with at run time (vLLM compiles its model at start), a C compiler and the Python headers.
-JIT_TOOLS = {"pat-worker-vllm": frozenset({"gcc", "python3-dev"})}
+# What a final stage may install of BUILD_TOOLS: in the worker images, what torch.compile builds its kernels with at
+# run time (the compiled FlexAttention; vLLM compiles its model at start): Triton's launchers a C compiler and the
+# Python headers, inductor's CPU kernels a C++ compiler (TORCH_BACKEND=cpu only). The operator image: nothing.
+JIT_TOOLS = dict.fromkeys(["pat-worker", "pat-worker-vllm"], frozenset({"gcc", "python3-dev", "g++"}))
 
 
 def build_tools_in(text: str, target: str, allowed: frozenset[str] = frozenset()) -> list[str]:
@@ -434,16 +435,17 @@ def test_torch_in_the_operator_image_is_reported():
                                  "RUN apt-get install -y --no-install-recommends gcc python3-dev",
                                  "RUN apt-get install -y cuda-nvcc-12-8"])
 def test_compilers_in_a_final_stage_are_reported(bad):
-    assert build_tools_in(_append_to("pat-worker", bad), "pat-worker") != []
+    assert build_tools_in(TEXT, "pat-operator") == []
+    assert build_tools_in(_append_to("pat-operator", bad), "pat-operator") != []
 
 
-def test_the_vllm_image_may_have_only_what_triton_builds_with():
-    vllm = "pat-worker-vllm"
-    assert build_tools_in(TEXT, vllm) != []  # gcc and python3-dev are there: the allowance is what passes them
+@pytest.mark.parametrize("target", sorted(JIT_TOOLS))
+def test_the_worker_images_may_have_only_what_torch_compile_builds_with(target):
+    assert build_tools_in(TEXT, target) != []  # gcc and python3-dev are there: the allowance is what passes them
     for bad in ("RUN apt-get install -y build-essential", "RUN apt-get install -y --no-install-recommends cmake",
                 "RUN apt-get install -y cuda-nvcc-12-8"):
-        assert build_tools_in(_append_to(vllm, bad), vllm, JIT_TOOLS[vllm]) != [], bad
-    assert build_tools_in(TEXT, "pat-worker", JIT_TOOLS[vllm]) == []  # the others need no allowance
+        assert build_tools_in(_append_to(target, bad), target, JIT_TOOLS[target]) != [], bad
+    assert build_tools_in(TEXT, "pat-operator", JIT_TOOLS[target]) == []  # and the operator image has none
 
 
 def test_a_base_with_compilers_is_reported():

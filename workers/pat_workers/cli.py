@@ -11,6 +11,7 @@
   pat generator ...                               one generator pod (coordinator + engine ranks)
   pat trainer ... -- ...                          one trainer pod (its ranks through torch.distributed.run)
   pat colocated ...                               one pod of a colocated job: its generator and trainer ranks
+  pat --version
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pat_operator import __version__
 from pat_operator.api import JobSpecError, RLHFJobSpec, load_job
 
 
@@ -239,6 +241,9 @@ def _reward(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--version"]:
+        print(f"pat {__version__}")
+        return 0
     commands = {"run": _run, "validate": _validate, "plan": _plan, "manifests": _manifests, "prepare": _prepare,
                 "simulate": _simulate, "data": _data, "reward": _reward}
     if not argv or argv[0] not in (*commands, "generator", "trainer", "colocated"):
