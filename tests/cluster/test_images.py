@@ -17,8 +17,8 @@ from pat_operator.api import VLLM_WORKER_IMAGE, WORKER_IMAGE
 from tests.cluster.fixtures import Cluster
 from tests.cluster.images import ROOT, built
 from tests.cluster.podexec import in_root
-from tests.cluster.test_cluster import (create_pods, logs_of, pod_manifest, read_pod, terminated, wait_ended,
-                                        wait_pod)
+from tests.cluster.test_cluster import (create_pods, logs_of, pod_manifest, read_pod, ready, terminated,
+                                        wait_ended, wait_pod)
 from tests.unit.test_images import EXAMPLES, image_target, pod_commands
 
 pytestmark = pytest.mark.cluster
@@ -80,6 +80,14 @@ def test_the_writable_root_is_the_containers_own(cluster: Cluster, core, namespa
     assert run_pods(cluster, core, namespace, {"writer": write})["writer"] == "x\n"
     look = image_pod("reader", images["pat-operator"], "test -e /opt/venv/written && echo leaked || echo clean")
     assert run_pods(cluster, core, namespace, {"reader": look})["reader"] == "clean\n"
+
+
+def test_exec_probes_run_in_the_image(cluster: Cluster, core, namespace: str, images):
+    """An exec probe joins the container's root: /opt/venv exists in the image, not on this host."""
+    assert not os.path.exists("/opt/venv/bin/pat-operator")
+    probe = {"exec": {"command": ["test", "-x", "/opt/venv/bin/pat-operator"]}, "periodSeconds": 1}
+    create_pods(core, namespace, image_pod("probed", images["pat-operator"], "sleep 60", readinessProbe=probe))
+    wait_pod(cluster, core, namespace, "probed", ready, "ready through its exec probe", timeout=60)
 
 
 def test_every_command_the_operator_writes_exists_in_the_image_its_pod_names(

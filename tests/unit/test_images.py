@@ -381,6 +381,19 @@ def test_the_build_context_holds_what_the_dockerfile_copies_and_not_the_rest():
 
 
 # -- negative controls: each check fails on a broken copy ----------------------------------------------------
+def unknown_build_args(script: str, text: str) -> list[str]:
+    """The --build-arg names a build script passes that the Dockerfile declares nowhere (buildah ignores them)."""
+    declared = set(global_args(text)) | {rest.split("=")[0].strip() for s in stages(text) for rest in s.args("ARG")}
+    return sorted(set(re.findall(r"--build-arg \"?([A-Z_]+)=", script)) - declared)
+
+
+def test_every_build_argument_of_the_image_script_is_the_dockerfiles():
+    script = (ROOT / "scripts" / "images.sh").read_text()
+    assert len(re.findall(r"--build-arg", script)) >= 6
+    assert unknown_build_args(script, TEXT) == []
+    assert unknown_build_args(script, TEXT.replace("TORCH_BACKEND", "TORCH_FLAVOUR")) == ["TORCH_BACKEND"]
+
+
 def _broken(old: str, new: str, text: str = TEXT) -> str:
     assert old in text, f"the control's anchor {old!r} is gone from the Dockerfile"
     return text.replace(old, new)
