@@ -31,10 +31,10 @@ print('torch', torch.__version__)"
 
 
 # The layers are ordered by how often they change: the bases and their packages, then torch or vLLM, then the
-# package's dependencies (read from pyproject.toml alone), and last the package itself, installed without
-# dependencies over them (small layers: a change to the sources rebuilds only those; the wheel, ~0.5 MB, stays in
-# /wheels, as buildah 1.28 cannot bind-mount a cached stage). `pip install --no-index` of the wheel is the check
-# that the dependencies below are the wheel's: one missing fails the build.
+# package's dependencies (read from pyproject.toml alone), and last the package itself, installed over them with
+# `pip install --no-index`, which is the check that the dependencies below are the wheel's (one missing fails the
+# build). A change to the sources rebuilds only those last small layers. The wheel (~0.35 MB) stays in /wheels:
+# buildah 1.28 cannot bind-mount a stage that came from its layer cache.
 
 # requirements: the package's dependencies per extra (requirements-base.txt, requirements-<extra>.txt).
 FROM ${PYTHON_IMAGE} AS requirements
