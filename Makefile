@@ -49,8 +49,8 @@ grafana-schema:
 # The Dockerfile's three images, built with buildah from local Debian bases with the CPU torch and vLLM (apt-get
 # installs buildah and mmdebstrap when missing); cached by a hash of the Dockerfile and the sources
 # (scripts/images.sh; docs/operations.md). The cluster tests run pods from them.
-images:
-	@scripts/images.sh >/dev/null
+images: $(STAMP)
+	@PY=$(PY) scripts/images.sh >/dev/null
 
 test: $(STAMP) controlplane crdserver prometheus helm vllm grafana-schema images
 	$(PY) -m pytest -q

@@ -10,7 +10,7 @@
 #   scripts/images.sh pat-operator     only that target (and what it needs)
 #
 # Environment: PAT_CACHE (default ~/.cache/pat-rlhf: build logs, the builds' pip.conf), DEBIAN_MIRROR, DOCKERFILE
-# (default: the repository's).
+# (default: the repository's), PY (a python with pip, whose configuration the builds take; default python3).
 # apt-get installs buildah and mmdebstrap when missing. pip inside the builds uses this machine's pip configuration
 # (its local indexes and find-links folders are mounted read-only into the RUN steps, never into an image).
 set -euo pipefail
@@ -53,8 +53,9 @@ fi
 # pip's configuration as this machine has it, for the RUN steps: one pip.conf of its effective settings (the
 # environment's PIP_* over the files'), and every local folder it names mounted read-only at the same path.
 PIP_CONF=$CACHE/pip.conf
+"${PY:-python3}" -m pip --version >/dev/null || { echo "${PY:-python3} has no pip: set PY to a python with pip" >&2; exit 1; }
 VOLUMES=()
-while IFS= read -r path; do VOLUMES+=(-v "$path:$path:ro"); done < <(python3 - "$PIP_CONF" <<'EOF'
+while IFS= read -r path; do VOLUMES+=(-v "$path:$path:ro"); done < <("${PY:-python3}" - "$PIP_CONF" <<'EOF'
 import os, re, subprocess, sys
 settings = {}
 listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout

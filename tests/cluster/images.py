@@ -17,6 +17,7 @@ import os
 import re
 import secrets
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,8 @@ LOCAL = "localhost/"  # the images this store serves; any other runs from the ho
 @functools.cache
 def built() -> dict[str, str]:
     """{target: image} of every Dockerfile target, built (or found) by scripts/images.sh."""
-    out = subprocess.run([str(ROOT / "scripts/images.sh")], capture_output=True, text=True)
+    out = subprocess.run([str(ROOT / "scripts/images.sh")], capture_output=True, text=True,
+                         env={**os.environ, "PY": sys.executable})  # a python with pip: its configuration
     if out.returncode:
         raise RuntimeError(f"scripts/images.sh failed:\n{out.stderr[-4000:]}")
     return dict(line.split("=", 1) for line in out.stdout.split())
