@@ -22,8 +22,8 @@ SUITE=bookworm  # Debian 12: python3 is 3.11, the CPython of the local torch whe
 # The base of every stage here: Debian's python3 (3.11) with venv and pip, `python`, and the tools the Dockerfile's
 # RUN steps use (useradd, apt's https sources). The Dockerfile's python:3.11-slim and CUDA bases hold these too.
 PACKAGES=python3,python3-venv,python3-pip,python-is-python3,passwd,ca-certificates
-TARGETS=("${@:-pat-operator pat-worker pat-worker-vllm}")
-read -r -a TARGETS <<< "${TARGETS[*]}"
+TARGETS=("$@")
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(pat-operator pat-worker pat-worker-vllm)
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml")
 
 SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
@@ -40,8 +40,8 @@ BASE=localhost/pat-debian-python:$SUITE-$BASE_TAG
 if ! "${BUILDAH[@]}" inspect --type image "$BASE" >/dev/null 2>&1; then
   echo "making the base $BASE (mmdebstrap $SUITE: $PACKAGES)" >&2
   ctr=$("${BUILDAH[@]}" from scratch)
-  # Straight into the empty root of a new container; mmdebstrap runs as root here (its default mode).
-  mmdebstrap --quiet --variant=minbase --include="$PACKAGES" \
+  # Straight into the empty root of a new container, as root (mmdebstrap's default mode).
+  $SUDO mmdebstrap --quiet --variant=minbase --include="$PACKAGES" \
     --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin' \
     "$SUITE" "$("${BUILDAH[@]}" mount "$ctr")" ${DEBIAN_MIRROR:+"$DEBIAN_MIRROR"} >&2 \
     || { "${BUILDAH[@]}" rm "$ctr" >/dev/null; echo "mmdebstrap $SUITE failed" >&2; exit 1; }
