@@ -53,7 +53,8 @@ fi
 # pip's configuration as this machine has it, for the RUN steps: one pip.conf of its effective settings (the
 # environment's PIP_* over the files'), and every local folder it names mounted read-only at the same path.
 PIP_CONF=$CACHE/pip.conf
-"${PY:-python3}" -m pip --version >/dev/null || { echo "${PY:-python3} has no pip: set PY to a python with pip" >&2; exit 1; }
+"${PY:-python3}" -m pip --version >/dev/null \
+  || { echo "${PY:-python3} has no pip: set PY to a python with pip" >&2; exit 1; }
 VOLUMES=()
 while IFS= read -r path; do VOLUMES+=(-v "$path:$path:ro"); done < <("${PY:-python3}" - "$PIP_CONF" <<'EOF'
 import os, re, subprocess, sys
@@ -90,8 +91,9 @@ for target in "${TARGETS[@]}"; do
     log=$CACHE/build-$target.log
     echo "building $image (log: $log)" >&2
     start=$SECONDS
-    if ! "${BUILDAH[@]}" bud --layers --isolation chroot --target "$target" -t "$image" "${ARGS[@]}" "${VOLUMES[@]}" \
-         -f "$DOCKERFILE" "$ROOT" > "$log" 2>&1; then
+    # --force-rm: a failed step's working container goes too (the layers before it stay cached).
+    if ! "${BUILDAH[@]}" bud --layers --force-rm --isolation chroot --target "$target" -t "$image" "${ARGS[@]}" \
+         "${VOLUMES[@]}" -f "$DOCKERFILE" "$ROOT" > "$log" 2>&1; then
       # buildah names the failed step last; its stage is the last "FROM ... AS name" before it.
       step=$(grep -E '^(\[[0-9]+/[0-9]+\] )?STEP [0-9]+/[0-9]+: ' "$log" | tail -1)
       stage=$(grep -E '^(\[[0-9]+/[0-9]+\] )?STEP 1/[0-9]+: FROM ' "$log" | tail -1 | sed -n 's/.* [Aa][Ss] //p')
