@@ -181,6 +181,15 @@ def prometheus(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def core(cluster: Cluster) -> Iterator[kubernetes.client.CoreV1Api]:
+    """The admin's CoreV1Api, one client per test module."""
+    import kubernetes
+
+    with cluster.api_client() as api:
+        yield kubernetes.client.CoreV1Api(api)
+
+
 @pytest.fixture
 def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace named after the test; its pods are force-deleted afterwards (so the kubelet kills their

@@ -24,12 +24,6 @@ PYTHON = "python"  # resolves to the project's venv through the kubelet's PATH
 
 
 @pytest.fixture(scope="module")
-def core(cluster: Cluster):
-    with cluster.api_client() as api:
-        yield kubernetes.client.CoreV1Api(api)
-
-
-@pytest.fixture(scope="module")
 def widgets(cluster: Cluster):
     """A CRD with a structural schema and a status subresource; yields a CustomObjectsApi."""
     crd = {

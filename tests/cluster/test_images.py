@@ -30,14 +30,6 @@ def images() -> dict[str, str]:
     return built()
 
 
-@pytest.fixture(scope="module")
-def core(cluster: Cluster):
-    import kubernetes
-
-    with cluster.api_client() as api:
-        yield kubernetes.client.CoreV1Api(api)
-
-
 def image_pod(name: str, image: str, script: str, read_only: bool = True, **container: object) -> dict:
     """A pod as the operator writes them: the image's user (no runAsUser), a read-only root, /tmp an emptyDir."""
     return pod_manifest(name, ["sh", "-c", script], volumes=[{"name": "tmp", "emptyDir": {}}],

@@ -8,7 +8,6 @@ import subprocess
 import time
 import urllib.request
 
-import kubernetes
 import pytest
 
 from tests.cluster.fixtures import Cluster
@@ -30,12 +29,6 @@ class Metrics(http.server.BaseHTTPRequestHandler):
         pass
 http.server.HTTPServer((os.environ["IP"], 8080), Metrics).serve_forever()
 """
-
-
-@pytest.fixture(scope="module")
-def core(cluster: Cluster):
-    with cluster.api_client() as api:
-        yield kubernetes.client.CoreV1Api(api)
 
 
 def metrics_pod(name: str, labels: dict[str, str], port_name: str) -> dict:
