@@ -45,8 +45,7 @@ import kubernetes
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import start_http_server
 
-from . import builders, handlers, kube, prometheus  # handlers: registers them
-from . import __version__
+from . import builders, handlers, kube, prometheus, version  # handlers: registers them
 from .api import GROUP, VERSION
 from .autoscaler import AutoscaleSettings
 from .leader import API_ERRORS, LeaderElector, LeaseSettings, identity
@@ -84,7 +83,7 @@ def _common_flags() -> argparse.ArgumentParser:
                     help="the leader exits when it could not renew the Lease for this long")
     ap.add_argument("--retry-period-seconds", type=float, default=2.0, help="how often the Lease is renewed or tried")
     ap.add_argument("--verbose", "-v", action="store_true")
-    ap.add_argument("--version", action="version", version=f"pat-operator {__version__}")
+    ap.add_argument("--version", action="version", version=f"pat-operator {version()}")
     return ap
 
 

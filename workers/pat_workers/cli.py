@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pat_operator import __version__
+from pat_operator import version
 from pat_operator.api import JobSpecError, RLHFJobSpec, load_job
 
 
@@ -242,7 +242,7 @@ def _reward(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv == ["--version"]:
-        print(f"pat {__version__}")
+        print(f"pat {version()}")
         return 0
     commands = {"run": _run, "validate": _validate, "plan": _plan, "manifests": _manifests, "prepare": _prepare,
                 "simulate": _simulate, "data": _data, "reward": _reward}
