@@ -50,27 +50,30 @@ class Image:
     entrypoint: list[str]
     cmd: list[str]
 
-    def identity(self, user: str) -> tuple[int, int | None]:
-        """(uid, gid) of a USER value: numbers, or names in the image's /etc/passwd and /etc/group (gid None: the
-        user's primary group)."""
-        name, _, group = user.partition(":")
+    def identity(self) -> tuple[int, int | None]:
+        """(uid, gid) of its USER: numbers, or names in the image's /etc/passwd and /etc/group (gid None: the user's
+        primary group)."""
+        name, _, group = self.user.partition(":")
         uid = int(name) if name.isdigit() else self._lookup("passwd", name)[2]
         gid = int(group) if group.isdigit() else self._lookup("group", group)[2] if group else None
         return int(uid), None if gid is None else int(gid)
 
     def home(self, uid: int) -> tuple[str, int | None]:
         """The HOME and primary group a runtime gives uid: from the image's /etc/passwd, else / and no group."""
-        for fields in self._entries("passwd"):
+        for fields in self._tables["passwd"]:
             if fields[2] == str(uid):
                 return fields[5], int(fields[3])
         return "/", None
 
-    def _entries(self, kind: str) -> list[list[str]]:
-        path = self.rootfs / "etc" / kind
-        return [line.split(":") for line in path.read_text().splitlines() if line] if path.exists() else []
+    @functools.cached_property
+    def _tables(self) -> dict[str, list[list[str]]]:
+        """Its /etc/passwd and /etc/group, read once (every container start and exec probe asks; they never change)."""
+        paths = {kind: self.rootfs / "etc" / kind for kind in ("passwd", "group")}
+        return {kind: [line.split(":") for line in path.read_text().splitlines() if line] if path.exists() else []
+                for kind, path in paths.items()}
 
     def _lookup(self, kind: str, name: str) -> list[str]:
-        for fields in self._entries(kind):
+        for fields in self._tables[kind]:
             if fields[0] == name:
                 return fields
         raise ImageError(f"unable to find {'user' if kind == 'passwd' else 'group'} {name}: no matching entries in "

@@ -1405,7 +1405,7 @@ class ProcessKubelet:
         if image:  # the image's USER where the pod names none; else the uid's group in the image's /etc/passwd
             user_gid = None
             if uid is None and image.user:
-                uid, user_gid = image.identity(image.user)
+                uid, user_gid = image.identity()
             if gid is None:
                 gid = user_gid if user_gid is not None else image.home(uid or 0)[1]
         if security.get("runAsNonRoot") and not uid:
