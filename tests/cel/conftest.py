@@ -17,6 +17,7 @@ import yaml
 
 from pat_operator import api, crd
 from tests.cluster.crdserver import CRD_FILE, CrdServer
+from tests.tiers import starts
 
 NAMESPACE = "cel"  # the server has no Namespace objects (no core API); custom objects still live in one
 
@@ -88,6 +89,7 @@ class Jobs:
 
 
 @pytest.fixture(scope="session")
+@starts("cluster")
 def crd_server() -> Iterator[CrdServer]:
     """The server, with the CRD of crds/ installed and Established (its `crds` holds the stored CRD)."""
     server = CrdServer().start()

@@ -26,6 +26,7 @@ from tests.cluster.dashboards import annotation_queries, panel_queries
 from tests.cluster.helm import CHART, ROOT, Helm
 from tests.cluster.images import built
 from tests.operator.conftest import Jobs, condition, job_doc, phase
+from tests.operator.harness import alone
 
 RULES = CHART / "files" / "operator-rules.yaml"
 DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
@@ -451,11 +452,15 @@ def test_upgrade_from_the_chart_that_rendered_the_token_key_keeps_the_key(cluste
 
 
 @pytest.mark.cluster
-@pytest.mark.timeout(900)  # the job's 100 iterations (below) on a slow host
 def test_helm_install_runs_the_operator_and_every_dashboard_panel_has_data(cluster, prometheus, namespace,
                                                                            tmp_path):
     """Cluster-wide, two replicas. No other operator may run meanwhile (the Lease is per release namespace): the
-    tests' own operator (tests/operator, session-scoped) is started only by the tests after this file."""
+    tests' own operator (tests/operator, session-scoped), if this worker has started it, is stopped meanwhile."""
+    with alone():
+        _install_and_run_a_job(cluster, prometheus, namespace, tmp_path)
+
+
+def _install_and_run_a_job(cluster, prometheus, namespace, tmp_path) -> None:
     helm = Helm(tmp_path, cluster.kubeconfig)
     system = f"pat-chart-{secrets.token_hex(3)}"
     api = cluster.api_client()
@@ -493,16 +498,19 @@ def test_helm_install_runs_the_operator_and_every_dashboard_panel_has_data(clust
                 assert time.monotonic() < deadline, f"ClusterRole {role} has no {verb} on rlhfjobs"
                 time.sleep(0.5)
 
-        doc = job_doc("charted")
-        # Long enough (~2 iterations a second here) that the checks below run while it does: a finished pod's
-        # series go stale in Prometheus at once, and the panels' instant queries would find nothing.
-        doc["spec"]["algorithm"].update(iterations=100, promptsPerIteration=4, samplesPerPrompt=4,
-                                        maxResponseTokens=24)
-        doc["spec"]["reward"]["overlongBuffer"] = 4
-        doc["spec"]["generator"].update(maxBatch=16, maxSeq=64)
-        doc["spec"]["generator"]["adaptiveTP"]["controller"] = "operator"  # the operator queries Prometheus
-        doc["spec"]["trainer"]["image"] = doc["spec"]["generator"]["image"] = images["pat-worker"]
-        jobs.create(doc)
+        # Two jobs of the pat-worker image at once: "charted" runs far longer than the checks below take (a finished
+        # pod's series go stale in Prometheus at once, and the panels' instant queries would find nothing) and is
+        # deleted after them; "short" (2 iterations) meanwhile runs to Succeeded.
+        for name, iterations in (("charted", 10_000), ("short", 2)):
+            doc = job_doc(name)
+            doc["spec"]["model"]["tiny"]["preset"] = "test"
+            doc["spec"]["algorithm"].update(iterations=iterations, promptsPerIteration=4, samplesPerPrompt=4,
+                                            maxResponseTokens=24)
+            doc["spec"]["reward"]["overlongBuffer"] = 4
+            doc["spec"]["generator"].update(maxBatch=16, maxSeq=64)
+            doc["spec"]["generator"]["adaptiveTP"]["controller"] = "operator"  # the operator queries Prometheus
+            doc["spec"]["trainer"]["image"] = doc["spec"]["generator"]["image"] = images["pat-worker"]
+            jobs.create(doc)
         jobs.wait("charted", lambda j: (j.get("status") or {}).get("iteration", 0) >= 2, "iteration 2",
                   timeout=240, explain=operator_log)
         for role in ("trainer", "generator"):  # the job's pods run from pat-worker
@@ -537,11 +545,11 @@ def test_helm_install_runs_the_operator_and_every_dashboard_panel_has_data(clust
         for title, expr in annotation_queries(ROOT / "dashboards" / "rlhf-job.json", namespace=namespace,
                                               job="charted"):
             prometheus.query(expr)  # valid PromQL (a regroup may or may not have happened)
-        assert jobs.get("charted")["status"]["phase"] == "Running", "the job ended before the checks: lengthen it"
-        # 4 s an iteration was measured with another suite running beside it: 100 iterations take minutes
-        jobs.wait("charted", phase("Succeeded"), "Succeeded", timeout=600, explain=operator_log)
-        jobs.delete("charted")  # while the operator runs: it removes its finalizer
-        _wait_gone(jobs, "charted")
+        assert jobs.get("charted")["status"]["phase"] == "Running"
+        jobs.wait("short", phase("Succeeded"), "Succeeded", timeout=300, explain=operator_log)
+        for name in ("charted", "short"):
+            jobs.delete(name)  # while the operator runs: it removes its finalizer
+            _wait_gone(jobs, name)
     finally:
         helm("uninstall", "rel", "-n", system, "--wait", check=False)
     # What is left of the release: the CRDs (helm never deletes those), and the operator's token key and Lease

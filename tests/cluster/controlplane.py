@@ -31,6 +31,7 @@ from typing import ClassVar, Self
 from pathlib import Path
 
 from pat_workers.ports import free_port
+from tests.tiers import require
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "controlplane-build.sh"
@@ -99,6 +100,7 @@ class LocalServers:
         self.stop()
 
     def start(self, timeout: float = 60.0) -> Self:
+        require("cluster", f"the {self.NAME}")
         bin_dir = self.bin_dir or built(self.BUILD_SCRIPT)
         started = time.monotonic()
         self.root = Path(tempfile.mkdtemp(prefix=f"pat-{self.NAME}-"))

@@ -24,6 +24,7 @@ import pytest
 
 from tests.cluster.controlplane import ControlPlane, ExistingCluster, cluster_from_env, write_kubeconfig
 from tests.cluster.prometheus import PrometheusServer
+from tests.tiers import starts
 
 if TYPE_CHECKING:
     import kubernetes
@@ -115,6 +116,7 @@ class Cluster:
 
 
 @pytest.fixture(scope="session")
+@starts("cluster")
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     plane = cluster_from_env().start()
     kubelet = None
@@ -142,7 +144,8 @@ def extra_node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     deleted, so that no later test's pod is scheduled onto it; its pods' objects are left to the `namespace` fixture
     (force-deleted) or the pod garbage collector (pods of a deleted node)."""
     if cluster.kubelet is None:
-        pytest.skip("no process kubelet (PAT_TEST_NO_KUBELET=1)")
+        pytest.fail("this test starts nodes: it needs the process kubelet, which PAT_TEST_NO_KUBELET=1 turned off",
+                    pytrace=False)
     import kubernetes
 
     from tests.cluster.kubelet import ProcessKubelet
@@ -174,7 +177,8 @@ def extra_node(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
 def prometheus(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:
     """A real Prometheus scraping the cluster's pods labelled pat.dev/job (see tests/cluster/prometheus.py)."""
     if not cluster.admin_token:  # its pod discovery lists the pods of all namespaces
-        pytest.skip("the cluster's kubeconfig has no token for Prometheus' pod discovery")
+        pytest.fail("Prometheus' pod discovery needs a token of the cluster's admin: PAT_TEST_KUBECONFIG's kubeconfig "
+                    "has none", pytrace=False)
     server = PrometheusServer(cluster.server, cluster.admin_token, tmp_path_factory.mktemp("prometheus"),
                               cluster.ca_file or None).start()
     yield server

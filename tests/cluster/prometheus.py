@@ -17,6 +17,7 @@ import http.server
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -29,9 +30,11 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.cluster.controlplane import free_port
+from tests.tiers import require
 
 # Discovery's meta labels of the pod labels pat.dev/job and pat.dev/role (`.` and `/` become `_`).
 JOB, ROLE = "__meta_kubernetes_pod_label_pat_dev_job", "__meta_kubernetes_pod_label_pat_dev_role"
@@ -63,6 +66,16 @@ def pod_targets(pods: list[dict]) -> list[dict]:
                     "__meta_kubernetes_pod_container_port_protocol": port.get("protocol", "TCP")}})
     return groups
 
+
+
+def installed(tool: str) -> str:
+    """The path of `prometheus` or `promtool`; where it is missing, the test fails naming what installs it (the
+    tests never skip)."""
+    path = shutil.which(tool)
+    if path is None:
+        pytest.fail(f"{tool} is not installed: `make prometheus` installs it (Debian's prometheus package)",
+                    pytrace=False)
+    return path
 
 class PodDiscovery:
     """Serves pod_targets of all the cluster's pods at `url`, listing them afresh on each request."""
@@ -174,6 +187,8 @@ class PrometheusServer:
         return self._process.pid if self._process else None
 
     def start(self, timeout: float = 30) -> PrometheusServer:
+        require("cluster", "Prometheus")
+        installed("prometheus")
         self._discovery = PodDiscovery(*self._api)
         self.config_file.write_text(yaml.safe_dump(scrape_config(self._discovery.url), sort_keys=False))
         with open(self._log, "wb") as log:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import time
 import urllib.request
@@ -11,7 +10,7 @@ import urllib.request
 import pytest
 
 from tests.cluster.fixtures import Cluster
-from tests.cluster.prometheus import PrometheusServer
+from tests.cluster.prometheus import PrometheusServer, installed
 from tests.cluster.test_cluster import PYTHON, create_pods, pod_manifest, wait_for, wait_pod
 
 pytestmark = pytest.mark.cluster
@@ -86,8 +85,7 @@ def test_bad_queries_raise(prometheus: PrometheusServer):
         prometheus.query("sum(")
 
 
-@pytest.mark.skipif(not shutil.which("promtool"), reason="promtool (Debian package prometheus) is not installed")
 def test_config_passes_promtool(prometheus: PrometheusServer):
-    result = subprocess.run(["promtool", "check", "config", str(prometheus.config_file)],
+    result = subprocess.run([installed("promtool"), "check", "config", str(prometheus.config_file)],
                             capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -27,7 +27,11 @@ from pat_workers.report import compare
 from ..procs import children
 from ..runs import ROOT, final_weights, pat, rollouts, rows
 
+pytestmark = pytest.mark.slow
 EXAMPLE = ROOT / "examples" / "local.yaml"
+# For the tests that compare tokens and weights between runs, not learning: the `test` preset (0.2M parameters; the
+# example's demo-wide has 11M and checkpoints of 130 MB) and shorter responses prove the same in a fraction of the time.
+SMALL = {"model.tiny.preset": "test", "algorithm.maxResponseTokens": 48}
 
 
 def write_job(tmp_path: Path, name: str, **edits) -> Path:
@@ -87,7 +91,7 @@ def test_the_example_reports_what_adaptive_tp_did(example_run):
 
 
 def test_killed_processes_resume_exactly(tmp_path):
-    job = write_job(tmp_path, "resume", **{"placement": "separate", "algorithm.iterations": 8,
+    job = write_job(tmp_path, "resume", **SMALL, **{"placement": "separate", "algorithm.iterations": 8,
                                            "checkpoint.everyIterations": 2,
                                            "generator.adaptiveTP.enabled": False, "trainer.ranksPerPod": 2})
     reference = tmp_path / "reference"
@@ -140,7 +144,7 @@ def test_adaptive_tp_on_and_off_greedy_give_identical_tokens(tmp_path):
     # are covered by tests/engine and tests/generator).
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"decode": {"1": {"1": 0.1, "64": 0.3}, "2": {"1": 0.002, "64": 0.006}}}))
-    job = write_job(tmp_path, "greedy", **{"placement": "separate", "algorithm.iterations": 2,
+    job = write_job(tmp_path, "greedy", **SMALL, **{"placement": "separate", "algorithm.iterations": 2,
                                            "algorithm.temperature": 0,
                                            "algorithm.promptsPerIteration": 8,
                                            "generator.adaptiveTP.profile": str(profile),

@@ -6,6 +6,7 @@ from pat_workers.engine.engine import Request
 from pat_workers.engine.generator import LocalGenerator
 from pat_workers.engine.rank import EngineOptions
 from pat_workers.engine.tiny import fresh, make_tiny_model, mixed_requests
+from tests.tiers import starts
 
 # CPU: the comparisons are between CPU runs (a GPU, where present, would be a different numeric path).
 OPTIONS = EngineOptions(max_batch=8, max_seq=192, profile_batches=(1, 4), device="cpu")
@@ -21,6 +22,7 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+@starts("slow")
 def reference(model_dir):
     """Completions of make_requests() by one process at TP=1."""
     with LocalGenerator(model_dir, 1, OPTIONS) as gen:

@@ -198,6 +198,7 @@ def test_kv_budget_is_checked_before_memory_is_taken(model, model_dir):
         kv_cache_blocks(dataclasses.replace(opts, max_seq=9000), cfg, shape, 4, 64 * gib, 64 * gib)
 
 
+@pytest.mark.slow
 def test_a_pod_whose_cache_cannot_hold_a_sequence_fails_at_start(model_dir):
     from pat_workers.engine.generator import GeneratorError, LocalGenerator
     from pat_workers.engine.rank import EngineOptions
@@ -207,6 +208,7 @@ def test_a_pod_whose_cache_cannot_hold_a_sequence_fails_at_start(model_dir):
         LocalGenerator(model_dir, 1, options).start()
 
 
+@pytest.mark.slow
 def test_a_pods_preemptions_and_kv_usage_are_metrics(model, model_dir):
     """A pod whose KV cache holds one maxSeq sequence: the preemptions it makes, and how full its cache is, are
     Prometheus metrics (what a vLLM user reads as num_preemptions and kv_cache_usage)."""

@@ -47,6 +47,7 @@ def test_smoke_hands_the_weights_over_and_level_2_gives_them_back(smoke):
     assert len(rounds["awake_bytes"]) == len(rounds["handover_s"]) == rounds["rounds"] == 10
 
 
+@pytest.mark.slow
 def test_without_a_gpu_it_refuses_and_writes_nothing(tmp_path):
     done = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "colocated.json")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120,

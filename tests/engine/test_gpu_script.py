@@ -90,6 +90,7 @@ def test_smoke_regroups_match_and_the_negative_control_is_caught(smoke):
         assert graphs["captures"] > 0 and graphs["graph_steps"] > 0 and graphs["eager_steps"] > 0
 
 
+@pytest.mark.slow
 def test_without_a_gpu_it_refuses_and_writes_nothing(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")

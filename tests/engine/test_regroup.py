@@ -17,6 +17,8 @@ from pat_workers.engine.tiny import make_tiny_model
 
 from .conftest import OPTIONS, fresh, make_requests, mismatches
 
+pytestmark = pytest.mark.slow  # worker processes (tests/tiers.py)
+
 TRANSITIONS = {"1->2": ((1, 1, 1, 1), (2, 2)), "2->4": ((2, 2), (4,)), "1->4": ((1, 1, 1, 1), (4,)),
                "4->1": ((4,), (1, 1, 1, 1))}  # a split: each new TP=1 replica gathers all heads of its share
 POINTS = ("before-first-step", "mid-way", "replica-drained")

@@ -25,6 +25,7 @@ from pat_workers.engine.model import Transformer
 from pat_workers.engine.sampling import SamplingParams
 from pat_workers.engine.tiny import make_tiny_model
 from tests.engine.test_engine import OneRankPool
+from tests.tiers import require, starts
 
 TOKEN = "test-job-token"
 MAX_BATCH, MAX_SEQ = 8, 512
@@ -43,6 +44,7 @@ class Pod:
 
     def __init__(self, name: str, model_dir: Path, log_dir: Path, *args: str, ranks: int = 2,
                  env: dict[str, str] | None = None):
+        require("slow", f"a generator pod ({name})")
         self.name = name
         self.log = log_dir / f"{name}.log"
         self.proc = subprocess.Popen(
@@ -183,6 +185,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+@starts("slow")
 def pods(model_dir, tmp_path_factory):
     """{"operator": a pod that obeys regroup plans (token in a file), "pod": one that plans with TAIL_PROFILE
     with the guard off (token in PAT_JOB_TOKEN), "guarded": the same with the guard on}, started
@@ -221,6 +224,7 @@ def guarded_pod(pods) -> Pod:
 
 
 @pytest.fixture(scope="session")
+@starts("slow")
 def fixed_pod(model_dir, tmp_path_factory):
     """A pod of a fixed layout, TP=2 on its 2 ranks (generator.tensorParallelSize: 2, adaptive TP off), started
     only for the tests that use it."""
@@ -238,6 +242,7 @@ WEIGHTS_STORE = "localhost"  # a DNS name: the pod resolves it when an update co
 
 
 @pytest.fixture(scope="session")
+@starts("slow")
 def access_pod(model_dir, tmp_path_factory):
     """A one-rank pod with the job's two tokens (control in a file, inference in PAT_INFERENCE_TOKEN) that takes
     weights only from WEIGHTS_STORE, started only for the tests that use it."""

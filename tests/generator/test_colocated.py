@@ -19,6 +19,8 @@ from pat_workers.weightsync import DeviceSender, WeightSyncError, handover_addre
 from .conftest import MODEL_SEED, TOKEN, Pod, Reference, long_tailed, mismatched
 from .test_weights import _wait_version
 
+pytestmark = pytest.mark.slow  # worker processes (tests/tiers.py)
+
 MIB = 1 << 20
 POOL_BYTES = 64 * MIB  # each rank's KV pool in the memory test: above glibc's largest mmap threshold
 

@@ -5,8 +5,12 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from ..procs import children
 from .conftest import TOKEN, Pod
+
+pytestmark = pytest.mark.slow  # worker processes (tests/tiers.py)
 
 
 def _cmdline(pid: int) -> str:

@@ -95,6 +95,7 @@ def _receive_in_bfloat16(address: str, results) -> None:
     results.put((refused, untouched, {name: t.float() for name, t in weights.items()}))
 
 
+@pytest.mark.slow
 def test_sender_casts_to_the_receivers_dtype_and_a_refused_round_moves_nothing():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

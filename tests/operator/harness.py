@@ -84,6 +84,8 @@ class OperatorProcess:
     exits on its own, as its Deployment's kubelet would (a leader that misses its renew deadline on a starved API
     server exits by design); not after stop() or kill()."""
 
+    running: set[OperatorProcess] = set()  # of this process (a pytest worker): those started and not stopped
+
     def __init__(self, kubeconfig: str, workdir: Path, *extra: str, prelude: str = "", lease: str = LEASE,
                  supervised: bool = False):
         self.kubeconfig, self.workdir, self.extra, self.prelude = kubeconfig, workdir, list(extra), prelude
@@ -116,6 +118,7 @@ class OperatorProcess:
         self.proc = subprocess.Popen(argv, stdout=open(self.log_file, "w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", "POD_NAME": self.workdir.name},
                                      start_new_session=True)
+        OperatorProcess.running.add(self)
         if self.supervised:
             threading.Thread(target=self._supervise, args=(self.proc,), daemon=True).start()
         deadline = time.monotonic() + timeout
@@ -180,16 +183,32 @@ class OperatorProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
+        OperatorProcess.running.discard(self)
 
     def kill(self) -> None:
         """SIGKILL, as a node lost or an OOM would: no cleanup, the Lease is not released."""
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc = None
+        OperatorProcess.running.discard(self)
 
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """No OperatorProcess of this process runs in the block (a test whose own operator watches the whole cluster:
+    another would reconcile its jobs too); those stopped for it are started again after."""
+    paused = list(OperatorProcess.running)
+    for operator in paused:
+        operator.stop()
+    try:
+        yield
+    finally:
+        for operator in paused:
+            operator.start()
 
 
 @contextmanager

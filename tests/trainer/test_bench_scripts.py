@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # worker processes (tests/tiers.py)
+
 ROOT = Path(__file__).parents[2]
 
 

@@ -21,6 +21,8 @@ from pat_workers.trainer import checkpoint
 from pat_workers.trainer.data import PromptSampler
 from tests.engine.multiproc import run_ranks
 
+pytestmark = pytest.mark.slow  # worker processes (tests/tiers.py)
+
 
 def sharded_model(world: int, seed: int):
     torch.manual_seed(seed)

@@ -40,6 +40,7 @@ def attempts(rank, world, root, newer_claims):
                    for p in root.iterdir() if p.name.startswith("iter-")}}
 
 
+@pytest.mark.slow
 def test_an_older_attempt_writes_no_checkpoint_once_a_newer_one_started(tmp_path):
     (out,) = run_ranks(attempts, 1, tmp_path, True, timeout=120)
     assert len(out["refused"]) == 2, out
@@ -50,6 +51,7 @@ def test_an_older_attempt_writes_no_checkpoint_once_a_newer_one_started(tmp_path
     assert out["latest"] == "iter-000020" and out["by"] == {"iter-000005": 1, "iter-000020": 2}
 
 
+@pytest.mark.slow
 def test_without_a_claim_saves_go_on_as_before(tmp_path):
     (out,) = run_ranks(attempts, 1, tmp_path, False, timeout=120)  # the second trainer claims nothing
     assert out["refused"] == [] and out["after_old"] == ["iter-000005", "iter-000010", "iter-000015"]
@@ -61,6 +63,7 @@ def unclaimed(rank, world, root):
     return sorted(p.name for p in root.iterdir())
 
 
+@pytest.mark.slow
 def test_no_attempt_no_claim(tmp_path):
     assert run_ranks(unclaimed, 1, tmp_path, timeout=60) == [[]]
 
@@ -86,6 +89,7 @@ def fenced_on_two_ranks(rank, world, root):
         torch.equal(a, b) for a, b in zip(full(model).values(), full(fresh).values()))}
 
 
+@pytest.mark.slow
 def test_every_rank_writes_into_the_claims_folder(tmp_path):
     """Rank 0 claims, and every rank writes its shards into that claim's temp folder: a whole checkpoint."""
     first, second = run_ranks(fenced_on_two_ranks, 2, tmp_path, timeout=120)

@@ -13,6 +13,8 @@ from pat_workers.trainer.loop import Rollout, adamw, train_iteration
 from pat_workers.trainer.policy import Policy, full_weights, sharded_policy
 from tests.engine.multiproc import run_ranks
 
+pytestmark = pytest.mark.slow  # worker processes (tests/tiers.py)
+
 ALGORITHM = dict(mini_batches=2, learning_rate=0.01, kl_coef=0.05, clip_ratio=0.2)
 
 

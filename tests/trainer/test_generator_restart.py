@@ -35,6 +35,8 @@ from pat_workers.ports import free_port
 
 from ..runs import ROOT, final_weights, rollouts, rows
 
+pytestmark = pytest.mark.slow  # worker processes (tests/tiers.py)
+
 EXAMPLE = ROOT / "examples" / "local.yaml"
 ITERATIONS = 4
 PROMPTS, SAMPLES = 8, 4

@@ -16,6 +16,8 @@ from pat_workers.trainer.policy import Policy
 from tests.engine.multiproc import run_ranks
 from tests.trainer.test_fsdp import TOLERANCE, max_difference, train_rank
 
+pytestmark = pytest.mark.slow  # worker processes (tests/tiers.py)
+
 CPU = torch.device("cpu")
 ALGORITHM = dict(mini_batches=2, learning_rate=1.0, clip_ratio=0.2, max_tokens_per_micro_batch=40)
 MISMATCH = ("logprob_diff_mean", "logprob_diff_max", "logprob_kl")

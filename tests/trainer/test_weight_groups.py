@@ -12,6 +12,8 @@ import torch
 from pat_workers.ports import free_port
 from pat_workers.weightsync import GROUP_KEY, WeightReceiver, WeightSender, WeightSyncError
 
+pytestmark = pytest.mark.slow  # worker processes (tests/tiers.py)
+
 TIMEOUT = 5.0
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-import shutil
 import subprocess
 import threading
 import time
@@ -32,6 +31,7 @@ from pat_workers.ports import free_port
 from pat_workers.trainer.loop import TrainerMetrics
 from tests.cluster.dashboards import (BUILTINS, OPERATOR, RLHF_JOB, annotation_queries, load, panel_queries, panels,
                                       substitute, unfiltered, variable_queries)
+from tests.cluster.prometheus import installed
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = [RLHF_JOB, OPERATOR]
@@ -330,10 +330,10 @@ def _promtool(exprs: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
                                                          for i, e in enumerate(exprs)]}]}
     path = tmp_path / f"rules-{len(list(tmp_path.iterdir()))}.yaml"
     path.write_text(yaml.safe_dump(rules))
-    return subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    return subprocess.run([installed("promtool"), "check", "rules", str(path)], capture_output=True, text=True,
+                          timeout=60)
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
 def test_promtool_accepts_every_query(tmp_path):
     exprs = [q for p in DASHBOARDS for _, q in panel_queries(p, **VARIABLES) + annotation_queries(p, **VARIABLES)
              + variable_queries(p, **VARIABLES)]
@@ -428,7 +428,7 @@ def _query(url: str, promql: str) -> list:
     return body["data"]["result"]
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus (Debian package) not installed")
+@pytest.mark.cluster
 def test_a_real_prometheus_answers_every_query_from_the_first_scrapes(tmp_path):
     """The processes right after they start, scraped as the chart's scrape config labels them: every panel and
     variable query returns series, and each annotation query once its `> 0` filter is dropped."""
@@ -451,7 +451,7 @@ def test_a_real_prometheus_answers_every_query_from_the_first_scrapes(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     log = tmp_path / "prometheus.log"
     with open(log, "wb") as out:
-        process = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+        process = subprocess.Popen([installed("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
                                     f"--web.listen-address={url.removeprefix('http://')}"],
                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     try:

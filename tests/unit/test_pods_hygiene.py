@@ -210,6 +210,7 @@ def _checkpoint_bytes(rank: int, world: int, root: str) -> tuple[int, int]:
     return size, sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_a_checkpoint_takes_the_bytes_per_parameter_the_run_folder_is_sized_with(tmp_path):
     pytest.importorskip("torch")
     from tests.engine.multiproc import run_ranks

@@ -15,6 +15,7 @@ import pytest
 
 from pat_workers.engine.tiny import make_tiny_model
 from tests.generator.conftest import Pod
+from tests.tiers import starts
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_MODEL = dict(preset="test", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -23,11 +24,15 @@ MAX_MODEL_LEN = 256
 
 def vllm_python() -> str:
     """The vLLM venv's interpreter (built once, cached outside the repository)."""
-    out = subprocess.run([str(ROOT / "scripts/vllm-venv.sh")], capture_output=True, text=True, check=True)
+    out = subprocess.run([str(ROOT / "scripts/vllm-venv.sh")], capture_output=True, text=True)
+    if out.returncode:
+        pytest.fail(f"the vLLM venv could not be made: scripts/vllm-venv.sh (`make vllm`) exited {out.returncode}:\n"
+                    f"{out.stderr[-3000:]}", pytrace=False)
     return out.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="session")
+@starts("slow")
 def vllm_env() -> dict[str, str]:
     return {"PAT_VLLM_PYTHON": vllm_python()}
 

@@ -201,6 +201,7 @@ def test_a_model_vllm_cannot_load_fails_the_pod_with_vllms_message(vllm_model, v
     assert "NoSuchModelForCausalLM" in last, last
 
 
+@pytest.mark.slow
 def test_an_interpreter_without_vllm_fails_the_pod_at_start_naming_the_flag(vllm_model):
     """This interpreter has no vLLM: the pod exits 2 before starting anything, saying where vLLM must be."""
     done = subprocess.run([sys.executable, "-m", "pat_workers.generator", "--engine", "vllm", "--model",
