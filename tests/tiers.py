@@ -63,7 +63,7 @@ def _audit(event: str, args: tuple) -> None:
         return
     module = argv[2:3] if argv[1:2] == ["-m"] else []
     command = argv[3:4] if module == ["pat_workers.cli"] else module
-    if WORKER_COMMANDS.intersection(command) or any(a.startswith("bench/") for a in argv[1:2]):
+    if WORKER_COMMANDS.intersection(command) or argv[1:2] and argv[1].startswith("bench/"):
         require("slow", f"`{' '.join(argv[1:4])}`")
 
 

@@ -67,7 +67,6 @@ def pod_targets(pods: list[dict]) -> list[dict]:
     return groups
 
 
-
 def installed(tool: str) -> str:
     """The path of `prometheus` or `promtool`; where it is missing, the test fails naming what installs it (the
     tests never skip)."""
@@ -76,6 +75,7 @@ def installed(tool: str) -> str:
         pytest.fail(f"{tool} is not installed: `make prometheus` installs it (Debian's prometheus package)",
                     pytrace=False)
     return path
+
 
 class PodDiscovery:
     """Serves pod_targets of all the cluster's pods at `url`, listing them afresh on each request."""

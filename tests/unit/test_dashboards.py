@@ -451,7 +451,8 @@ def test_a_real_prometheus_answers_every_query_from_the_first_scrapes(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     log = tmp_path / "prometheus.log"
     with open(log, "wb") as out:
-        process = subprocess.Popen([installed("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+        process = subprocess.Popen([installed("prometheus"), f"--config.file={config}",
+                                    f"--storage.tsdb.path={tmp_path / 'data'}",
                                     f"--web.listen-address={url.removeprefix('http://')}"],
                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     try:

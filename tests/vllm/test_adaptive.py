@@ -66,8 +66,8 @@ def regroup_mid_batch(pod, tag: str, *layouts: list[int]) -> tuple[dict, list[di
     requests = batch(tag)
     pod.submit(tag, requests)
     assert pod.state()["layout"] == [1, 1]
-    until_generating(pod, lambda: sum(v for (name, _), v in pod.metrics().items()
-                                      if name == "pat_generator_running_generated_tokens") >= 8 * len(requests))
+    until_generating(pod, lambda metrics: sum(v for (name, _), v in metrics.items()
+                                              if name == "pat_generator_running_generated_tokens") >= 8 * len(requests))
     for layout in layouts:
         epoch = pod.state()["epoch"]
         ack = pod.ok("POST", "/v1/regroup", {"epoch": epoch + 1, "layout": layout, "from_epoch": epoch})
@@ -76,17 +76,17 @@ def regroup_mid_batch(pod, tag: str, *layouts: list[int]) -> tuple[dict, list[di
     return ack, completions
 
 
-def until_generating(pod, done: Callable[[], bool]) -> None:
-    """Waits until done(), as long as the pod keeps generating: it fails after STALL_SECONDS without a new token (in
-    the running requests' counts, or the finished ones')."""
+def until_generating(pod, done: Callable[[dict], bool]) -> None:
+    """Waits until done(the pod's /metrics), as long as the pod keeps generating: it fails after STALL_SECONDS
+    without a new token (in the running requests' counts, or the finished ones')."""
     counted = ("pat_generator_running_generated_tokens", "pat_generator_tokens_total")
     last, since = -1.0, time.monotonic()
-    while not done():
-        tokens = sum(v for (name, _), v in pod.metrics().items() if name in counted)
+    while not done(metrics := pod.metrics()):
+        tokens = sum(v for (name, _), v in metrics.items() if name in counted)
         if tokens != last:
             last, since = tokens, time.monotonic()
         assert pod.proc.poll() is None, f"the pod exited {pod.proc.returncode}"
-        assert time.monotonic() - since < STALL_SECONDS, f"no token in {STALL_SECONDS} s: {pod.metrics()}"
+        assert time.monotonic() - since < STALL_SECONDS, f"no token in {STALL_SECONDS} s: {metrics}"
         time.sleep(0.05)
 
 
@@ -137,10 +137,9 @@ def test_the_pod_exports_what_the_operators_planner_needs(adaptive_pod):
     requests = batch("plan")
     adaptive_pod.submit("plan", requests)
     try:
-        def exported() -> bool:
+        def exported(metrics: dict) -> bool:
             nonlocal m
-            series = [sample(name, value, "p", **dict(labels))
-                      for (name, labels), value in adaptive_pod.metrics().items()]
+            series = [sample(name, value, "p", **dict(labels)) for (name, labels), value in metrics.items()]
             m = pod_metrics(series, scraped("p"), max_age=5)[0]["p"]
             return m.unfinished == 4 and all(generated >= 8 for g in m.running.values() for _, generated in g)
 
